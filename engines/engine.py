@@ -1,0 +1,271 @@
+"""The synchronous engine: admits requests, runs scheduler steps on the model runner, samples, stops,
+and emits per-request deltas. `AsyncEngine` (async_engine.py) drives it from a background thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engines.errors import ContextLengthError, InvalidRequestError
+from engines.kv_cache import PagedKVCache
+from engines.loader import load_model, parse_dtype
+from engines.model_runner import ModelRunner
+from engines.request import FinishReason, Request, RequestOutput, RequestStatus
+from engines.sampling import SamplingParams, sample
+from engines.scheduler import Scheduler
+from engines.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings: which model, where, and how much KV cache and batching it may use."""
+
+    model: str | None = None  # None/"smollm2-135m-instruct" = embedded default; or a folder or .gguf
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0  # KV memory when num_kv_blocks is not given
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max positions, capped by the KV cache
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+
+
+def stop_holdback(text: str, stops: list[str]) -> int:
+    """Chars at the end of `text` that could be the start of a stop string (not yet safe to emit)."""
+    held = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return held
+
+
+class LLMEngine:
+    """Loads target and tokenizer, owns KV cache, scheduler and runner; `step()` advances every request."""
+
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        loaded = load_model(config.model, config.dtype, config.device)
+        self.model, self.model_config, self.device = loaded.model, loaded.config, loaded.device
+        self.checkpoint = loaded.checkpoint
+        self.tokenizer = Tokenizer(loaded.checkpoint)
+        cfg = self.model_config
+        dtype = parse_dtype(config.dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+            num_blocks = max(1, int(config.kv_cache_gib * 2**30) // (per_token * config.block_size))
+        self.kv_cache = PagedKVCache(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, num_blocks,
+                                     config.block_size, dtype, self.device)
+        self.max_model_len = min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens)
+        if config.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.requests: dict[str, Request] = {}
+        self.num_forwards = 0
+        log.info("engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
+                 loaded.checkpoint.name, config.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+
+    # ---- admission -------------------------------------------------------------------------
+    def make_request(
+        self,
+        messages: Any = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        params = (params or SamplingParams()).validate(self.tokenizer.vocab_size)
+        if prompt_token_ids is None:
+            prompt = self.tokenizer.apply_chat_template(messages)
+        else:
+            prompt = list(prompt_token_ids)
+            if not prompt or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in prompt):
+                raise InvalidRequestError("prompt_token_ids must be a non-empty list of valid token ids",
+                                          param="prompt_token_ids")
+        limit = self.max_model_len
+        if len(prompt) >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {len(prompt)} tokens "
+                "and leaves no room for a completion."
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
+        if len(prompt) + max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids)
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=prompt,
+            params=params,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+            generator=params.make_generator(self.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+        )
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `make_request`."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def add_request(self, messages: Any = None, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> Request:
+        """Validate, tokenize and queue a request; raises InvalidRequestError without side effects."""
+        req = self.make_request(messages, params, request_id, prompt_token_ids)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its KV blocks; None if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        return self._finish(req, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step: forward, sample, stop checks. Returns a delta per request that moved."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(self.runner.inputs_for(sched))
+        self.num_forwards += 1
+        sampling_reqs: list[Request] = []
+        rows: list[torch.Tensor] = []
+        for s, logits in zip(sched.scheduled, result.logits, strict=True):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            req.num_forwards += 1
+            if len(logits):
+                sampling_reqs.append(req)
+                rows.append(logits[-1])
+        outputs = []
+        if sampling_reqs:
+            tokens = sample(torch.stack(rows), [r.params for r in sampling_reqs], [r.generator for r in sampling_reqs])
+            for req, tok in zip(sampling_reqs, tokens.tolist(), strict=True):
+                outputs.append(self.append_tokens(req, [tok]))
+        return outputs
+
+    def append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append generated tokens, applying stop tokens, stop strings and max_tokens; emit the delta."""
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        params = req.params
+        reason: FinishReason | None = None
+        max_stop = max((len(s) for s in params.stop), default=0)
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            if tok in req.stop_token_ids:
+                reason = FinishReason.STOP
+                break
+            before = len(req.output_text)
+            req.output_text += req.detokenizer.push([tok])
+            if params.stop and len(req.output_text) > before:
+                hit = self._find_stop(req.output_text, params.stop, max(0, before - max_stop + 1))
+                if hit is not None:
+                    req.output_text = req.output_text[:hit]
+                    reason = FinishReason.STOP
+                    break
+            if len(req.output_token_ids) >= req.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        if reason is not None:
+            return self._finish(req, reason)
+        return self._delta(req)
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], start: int) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        out = self._delta(req)
+        del self.requests[req.request_id]
+        return out
+
+    def _delta(self, req: Request) -> RequestOutput:
+        text = req.output_text
+        end = len(text) if req.status is RequestStatus.FINISHED else len(text) - stop_holdback(text, req.params.stop)
+        new_text = text[req.num_text_sent : end]
+        req.num_text_sent = max(req.num_text_sent, end)
+        new_ids = req.output_token_ids[req.num_tokens_sent :]
+        req.num_tokens_sent = len(req.output_token_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_forwards=req.num_forwards,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+        )
+
+    # ---- offline use -------------------------------------------------------------------------
+    def generate(self, conversations: list[Any], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run conversations (message lists, or token-id lists) to completion; results in input order."""
+        plist = params if isinstance(params, list) else [params] * len(conversations)
+        ids = []
+        for conv, p in zip(conversations, plist, strict=True):
+            is_ids = isinstance(conv, list) and bool(conv) and isinstance(conv[0], int)
+            req = self.add_request(None if is_ids else conv, p, prompt_token_ids=conv if is_ids else None)
+            ids.append(req.request_id)
+        done: dict[str, Completion] = {i: Completion(i) for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                c = done[out.request_id]
+                c.token_ids.extend(out.new_token_ids)
+                c.text += out.new_text
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.num_prompt_tokens = out.num_prompt_tokens
+                    c.num_forwards = out.num_forwards
+        return [done[i] for i in ids]
+
+
+@dataclass
+class Completion:
+    """A finished generation from `LLMEngine.generate`."""
+
+    request_id: str
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_forwards: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = []

@@ -1,0 +1,140 @@
+"""Paged KV cache: fixed-size blocks, a block allocator with capacity accounting, per-sequence block
+tables, and commit of an accepted root-to-node path after tree verification."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engines.errors import CacheCapacityError
+
+
+class BlockAllocator:
+    """Hands out fixed-size KV blocks from a free list and takes them back."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not held by any sequence."""
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks; raises CacheCapacityError (taking nothing) when fewer are free."""
+        if n > len(self._free):
+            raise CacheCapacityError(f"need {n} KV blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list."""
+        self._free.extend(blocks)
+
+
+class PagedKVCache:
+    """K and V tensors for every layer, addressed by flat slot = block_id * block_size + offset.
+
+    A sequence's token at cache index i lives in block `table[i // block_size]`. The cache holds
+    storage only: which indices hold committed tokens is the caller's business (the scheduler tracks
+    `num_computed_tokens`), except for `commit_path` and `truncate`, which reshape a sequence's storage.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_tables: dict[str, list[int]] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache can hold."""
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Memory one token's K and V take across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return 1.0 - self.allocator.num_free / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, seq_id: str, num_tokens: int) -> int:
+        """Blocks a sequence must still get to hold `num_tokens` tokens in all."""
+        have = len(self.block_tables.get(seq_id, ()))
+        return max(0, self.num_blocks_for(num_tokens) - have)
+
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether the sequence could grow to `num_tokens` tokens now."""
+        return self.num_new_blocks(seq_id, num_tokens) <= self.allocator.num_free
+
+    def allocate(self, seq_id: str, num_tokens: int) -> None:
+        """Grow the sequence's block table to hold `num_tokens` tokens (raises CacheCapacityError if full)."""
+        need = self.num_new_blocks(seq_id, num_tokens)
+        table = self.block_tables.setdefault(seq_id, [])
+        if need:
+            table.extend(self.allocator.allocate(need))
+
+    def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slots of the sequence's cache indices [start, end), as a CPU int64 tensor."""
+        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
+        idx = torch.arange(start, end, dtype=torch.long)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Keep storage for the first `num_tokens` cache indices; free whole blocks past them."""
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        if keep < len(table):
+            self.allocator.free(table[keep:])
+            del table[keep:]
+
+    @torch.no_grad()
+    def commit_path(self, seq_id: str, base: int, path: list[int]) -> None:
+        """After tree verification: move the K/V of accepted tree nodes to contiguous indices.
+
+        The tree's nodes were written at cache indices `base + node`; `path` lists the accepted
+        nodes root to leaf. Afterwards node `path[i]` sits at `base + i` for every layer and
+        storage past `base + len(path)` is released. Positions need no fix-up: a node at depth i
+        was already rotated for position `base + i`.
+        """
+        moves = [(base + node, base + i) for i, node in enumerate(path) if node != i]
+        if moves:
+            src = self.slots_of(seq_id, [s for s, _ in moves])
+            dst = self.slots_of(seq_id, [d for _, d in moves])
+            # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+        self.truncate(seq_id, base + len(path))
+
+    def slots_of(self, seq_id: str, indices: list[int]) -> torch.Tensor:
+        """Flat slots of arbitrary cache indices of a sequence, on the cache's device."""
+        table = self.block_tables[seq_id]
+        bs = self.block_size
+        return torch.tensor([table[i // bs] * bs + i % bs for i in indices], dtype=torch.long, device=self.k.device)
+
+    def free(self, seq_id: str) -> None:
+        """Release all of a sequence's blocks (finish, abort or preemption)."""
+        table = self.block_tables.pop(seq_id, None)
+        if table:
+            self.allocator.free(table)

@@ -1,0 +1,216 @@
+"""A plain Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+
+`LlamaModel.forward` takes a flat ragged batch: the new tokens of several sequences with their
+positions and an `AttentionMetadata` saying where their K/V go and what each token may see. It returns
+logits for the selected rows and the last-layer hidden states (post final norm) of every token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.attention import AttentionMetadata, paged_attention
+from engines.config import ModelConfig
+from engines.kv_cache import PagedKVCache
+from engines.parallel import ColumnParallelLinear, PackableLinear, RowParallelLinear, TensorParallel
+from kernels import onednn_linear
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back (as the reference implementation does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with the config's scaling applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by position."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each position: [T, 1, head_dim] in `dtype`."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate query/key heads: x * cos + rotate_half(x) * sin (x: [T, heads, head_dim])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with a fused, column-parallel QKV projection."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads = tp.shard(cfg.num_heads, "num_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_kv_heads")
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], tp, dtype)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp, dtype)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [slots, kv_heads, head_dim] of this layer
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = x.shape[0]
+        q_local, kv_local = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_local, kv_local, kv_local], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, tp, dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding when configured)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, tp: TensorParallel | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp or TensorParallel()
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.rotary = RotaryEmbedding(cfg)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    @property
+    def attn_kv_heads(self) -> int:
+        """KV heads held by this rank (the KV cache's width)."""
+        return self.layers[0].attn.num_kv_heads
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden] output projection (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        """LM head in the model dtype, returned in fp32 for sampling."""
+        return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed).float()
+
+    def prepack(self) -> None:
+        """Lay out every projection for the CPU's fastest kernel (no-op on CUDA and in fp32)."""
+        for m in self.modules():
+            if isinstance(m, PackableLinear):
+                m.prepack()
+        self.lm_head_packed = onednn_linear.prepack(self.lm_head_weight.data)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        logits_indices: torch.Tensor | None = None,  # [N] rows of T that need logits; None = all
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [N, vocab] fp32, hidden [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], meta)
+        hidden = self.norm(x)
+        selected = hidden if logits_indices is None else hidden[logits_indices]
+        return self.compute_logits(selected), hidden
+
+    @torch.no_grad()
+    def load_hf_weights(self, get: Callable[[str], torch.Tensor]) -> None:
+        """Fill parameters from Hugging Face Llama tensor names; `get(name)` returns a full tensor."""
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(self.dtype)
+
+        self.embed_tokens.weight.copy_(cast(get("model.embed_tokens.weight")))
+        self.norm.weight.copy_(cast(get("model.norm.weight")))
+        if self.lm_head is not None:
+            self.lm_head.copy_(cast(get("lm_head.weight")))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_norm.weight.copy_(cast(get(p + "input_layernorm.weight")))
+            layer.post_attn_norm.weight.copy_(cast(get(p + "post_attention_layernorm.weight")))
+            attn = p + "self_attn."
+            layer.attn.qkv_proj.load_segments([cast(get(attn + n + "_proj.weight")) for n in "qkv"])
+            layer.attn.o_proj.load_full(cast(get(attn + "o_proj.weight")))
+            mlp = p + "mlp."
+            layer.mlp.gate_up_proj.load_segments([cast(get(mlp + n + "_proj.weight")) for n in ("gate", "up")])
+            layer.mlp.down_proj.load_full(cast(get(mlp + "down_proj.weight")))

@@ -1,0 +1,97 @@
+"""A request's state inside the engine, and the deltas the engine emits for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.sampling import SamplingParams
+from engines.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation ended (OpenAI's finish_reason values)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    """Tokens, progress and stopping state of one generation.
+
+    `num_computed_tokens` counts the tokens (prompt then output) whose K/V are in the cache; the
+    scheduler runs `num_tokens - num_computed_tokens` more of them (a prefill chunk or one decode
+    token). After preemption it drops to 0 and the request recomputes from its full token list.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    output_text: str = ""
+    num_text_sent: int = 0  # chars of output_text already emitted
+    num_tokens_sent: int = 0
+    first_token_time: float | None = None
+    num_forwards: int = 0  # target forward passes this request took part in
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request has ended for any reason."""
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: the new tokens and text since the last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_forwards: int
+    arrival_time: float
+    first_token_time: float | None

