@@ -43,11 +43,18 @@ class HFRunner:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
-            "do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            pad_token_id=self.pad, **sampling,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=self.pad,
+            **sampling,
         )
         return out[:, width:].tolist()
 
@@ -77,12 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
 
     records = read_prompt_file(args.prompts)[: args.num_prompts]
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                    max_num_seqs=max(args.batch_size, 1)))
+    engine = LLMEngine(
+        EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_size, 1))
+    )
     prompts = [engine.tokenizer.apply_chat_template(r["messages"]) for r in records]
     ignore_eos = args.ignore_eos or args.compare_hf
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens,
-                            ignore_eos=ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=ignore_eos
+    )
     waves = [list(range(i, min(i + args.batch_size, len(prompts)))) for i in range(0, len(prompts), args.batch_size)]
     hf = HFRunner(engine, args.dtype) if args.compare_hf else None
 
@@ -135,13 +144,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if hf:
         hf_tokens = sum(len(o) for o in hf_outputs)
-        result.update({
-            "hf_tokens_per_s": hf_tokens / hf_s,
-            "hf_wall_s": hf_s,
-            "speedup_vs_hf": (n_out / ours_s) / (hf_tokens / hf_s),
-            "speedup_vs_hf_median_wave": statistics.median(ratios),
-            "identical_to_hf": sum(a == b for a, b in zip(outputs, hf_outputs, strict=True)) / len(prompts),
-        })
+        result.update(
+            {
+                "hf_tokens_per_s": hf_tokens / hf_s,
+                "hf_wall_s": hf_s,
+                "speedup_vs_hf": (n_out / ours_s) / (hf_tokens / hf_s),
+                "speedup_vs_hf_median_wave": statistics.median(ratios),
+                "identical_to_hf": sum(a == b for a, b in zip(outputs, hf_outputs, strict=True)) / len(prompts),
+            }
+        )
     result["outputs"] = [{"id": r["id"], "token_ids": o} for r, o in zip(records, outputs, strict=True)]
     print(json.dumps(result))
     return result

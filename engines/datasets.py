@@ -16,8 +16,14 @@ from typing import Any
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
-ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-           "system": "system"}
+ROLE_OF = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -25,7 +31,7 @@ def package_file(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {package!r} is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / relative
+    return Path(next(iter(spec.submodule_search_locations))) / relative
 
 
 def iter_sharegpt(path: Path | None = None) -> Iterator[dict[str, Any]]:

@@ -58,7 +58,11 @@ def stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class LLMEngine:
-    """Loads target and tokenizer, owns KV cache, scheduler and runner; `step()` advances every request."""
+    """Loads target and tokenizer, owns KV cache, scheduler and runner; `step()` advances every request.
+
+    Not thread-safe: one thread drives it (`AsyncEngine` owns it from its loop thread). Only
+    `make_request`, which reads no mutable state, may be called from elsewhere.
+    """
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -72,8 +76,9 @@ class LLMEngine:
         if num_blocks is None:
             per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
             num_blocks = max(1, int(config.kv_cache_gib * 2**30) // (per_token * config.block_size))
-        self.kv_cache = PagedKVCache(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, num_blocks,
-                                     config.block_size, dtype, self.device)
+        self.kv_cache = PagedKVCache(
+            cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, num_blocks, config.block_size, dtype, self.device
+        )
         self.max_model_len = min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens)
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
@@ -81,8 +86,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
-        log.info("engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
-                 loaded.checkpoint.name, config.dtype, self.device, num_blocks, config.block_size, self.max_model_len)
+        log.info(
+            "engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
+            loaded.checkpoint.name,
+            config.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
 
     # ---- admission -------------------------------------------------------------------------
     def make_request(
@@ -99,8 +111,9 @@ class LLMEngine:
         else:
             prompt = list(prompt_token_ids)
             if not prompt or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in prompt):
-                raise InvalidRequestError("prompt_token_ids must be a non-empty list of valid token ids",
-                                          param="prompt_token_ids")
+                raise InvalidRequestError(
+                    "prompt_token_ids must be a non-empty list of valid token ids", param="prompt_token_ids"
+                )
         limit = self.max_model_len
         if len(prompt) >= limit:
             raise ContextLengthError(
@@ -115,7 +128,9 @@ class LLMEngine:
                 "completion). Please reduce the length of the messages or completion.",
                 param="max_tokens",
             )
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids)
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.stop_token_ids
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
@@ -133,8 +148,13 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
-    def add_request(self, messages: Any = None, params: SamplingParams | None = None, request_id: str | None = None,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+    def add_request(
+        self,
+        messages: Any = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Request:
         """Validate, tokenize and queue a request; raises InvalidRequestError without side effects."""
         req = self.make_request(messages, params, request_id, prompt_token_ids)
         self.add(req)

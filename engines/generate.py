@@ -1,7 +1,7 @@
 """Generate one chat completion on the command line and report its speed.
 
-    python -m engines.generate --prompt "Explain speculative decoding."
-    python -m engines.generate --messages conversation.json --temperature 0.7 --seed 1
+python -m engines.generate --prompt "Explain speculative decoding."
+python -m engines.generate --messages conversation.json --temperature 0.7 --seed 1
 """
 
 from __future__ import annotations
@@ -43,13 +43,22 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.prompt is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}]
+            {"role": "user", "content": args.prompt}
+        ]
     else:
         messages = json.loads(Path(args.messages).read_text())
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+    )
     try:
+        params.validate(vocab_size=sys.maxsize)  # fail fast, before the model loads
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
         req = engine.add_request(messages, params)
     except InvalidRequestError as e:
         print(f"error: {e.message}", file=sys.stderr)
@@ -69,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     end = time.perf_counter()
     decode_s = end - (first or end)
     print(file=sys.stdout)
-    print(f"[{n} tokens, finish_reason={reason.value if reason else None}, prompt {req.num_prompt_tokens} tokens, "
-          f"TTFT {((first or end) - start) * 1e3:.0f} ms, {n / (end - start):.1f} tokens/s overall, "
-          f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else 0:.1f} tokens/s decoding]", file=sys.stderr)
+    print(
+        f"[{n} tokens, finish_reason={reason.value if reason else None}, prompt {req.num_prompt_tokens} tokens, "
+        f"TTFT {((first or end) - start) * 1e3:.0f} ms, {n / (end - start):.1f} tokens/s overall, "
+        f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else 0:.1f} tokens/s decoding]",
+        file=sys.stderr,
+    )
     return 0
 
 

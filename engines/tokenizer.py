@@ -29,13 +29,15 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(f"{where}.content parts must be {{'type': 'text', 'text': str}}",
-                                              param=f"{where}.content")
+                    raise InvalidRequestError(
+                        f"{where}.content parts must be {{'type': 'text', 'text': str}}", param=f"{where}.content"
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if not isinstance(content, str):
-            raise InvalidRequestError(f"{where}.content must be a string or a list of text parts",
-                                      param=f"{where}.content")
+            raise InvalidRequestError(
+                f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
+            )
         out.append({"role": role, "content": content})
     return out
 

@@ -1,0 +1,53 @@
+"""Shared fixtures: the embedded model's checkpoint, engines on it, and transformers' reference model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.loader import resolve_checkpoint
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three prime numbers."}],
+    [
+        {
+            "role": "user",
+            "content": "Explain in a short paragraph why the sky is blue, the way you would to a curious "
+            "ten-year-old who keeps asking why after each answer you give.",
+        }
+    ],
+]
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    """Folder of the converted embedded model."""
+    return resolve_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def engine_fp32():
+    """An fp32 engine on the embedded model (exact comparisons against transformers)."""
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512))
+
+
+@pytest.fixture(scope="session")
+def hf_fp32(checkpoint):
+    """transformers' LlamaForCausalLM on the same checkpoint, fp32."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def make_engine():
+    """Build an engine with overrides; engines share the cached checkpoint, so this is cheap."""
+
+    def make(**overrides) -> LLMEngine:
+        cfg = {"dtype": "float32", "num_kv_blocks": 256} | overrides
+        return LLMEngine(EngineConfig(**cfg))
+
+    return make

@@ -1,0 +1,95 @@
+"""The asyncio front: concurrent streams, abort on disconnect, errors before queueing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.async_engine import AsyncEngine
+from engines.engine import EngineConfig, LLMEngine
+from engines.errors import InvalidRequestError
+from engines.request import FinishReason
+from engines.sampling import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """An engine of its own: once the loop thread drives it, no other thread may step it."""
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine):
+    eng = AsyncEngine(engine)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.slow
+def test_concurrent_streams_match_offline(async_engine, engine_fp32):
+    """engine_fp32 (a different engine, same weights) gives the offline reference."""
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    async def collect(conv):
+        text, ids, last = "", [], None
+        async for out in async_engine.generate(conv, params):
+            text += out.new_text
+            ids += out.new_token_ids
+            last = out
+        return text, ids, last
+
+    async def main():
+        return await asyncio.gather(*(collect(c) for c in CHAT_PROMPTS))
+
+    results = asyncio.run(main())
+    for conv, (text, ids, last) in zip(CHAT_PROMPTS, results, strict=True):
+        alone = engine_fp32.generate([conv], params)[0]
+        assert ids == alone.token_ids and text == alone.text
+        assert last.finished and last.num_output_tokens == len(ids)
+
+
+def test_consumer_that_stops_early_aborts_and_frees_blocks(async_engine, engine):
+    free = engine.kv_cache.allocator.num_free
+
+    async def main():
+        stream = async_engine.generate(CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break  # like a client disconnecting mid-stream
+        await stream.aclose()
+        for _ in range(100):
+            if engine.kv_cache.allocator.num_free == free and not engine.has_unfinished():
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_raises_before_anything_is_queued(async_engine, engine):
+    async def main():
+        async for _ in async_engine.generate([], SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidRequestError):
+        asyncio.run(main())
+    assert not engine.has_unfinished()
+
+
+def test_explicit_abort(async_engine):
+    async def main():
+        outs = []
+        async for out in async_engine.generate(
+            CHAT_PROMPTS[3], SamplingParams(max_tokens=500, ignore_eos=True), request_id="to-abort"
+        ):
+            outs.append(out)
+            if len(outs) == 2:
+                async_engine.abort("to-abort")
+        return outs[-1]
+
+    last = asyncio.run(main())
+    assert last.finished and last.finish_reason is FinishReason.ABORT

@@ -1,0 +1,75 @@
+"""The command lines users run: generation and the benchmark (JSON on the last line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engines.datasets import read_prompt_file, sharegpt_prompts, write_prompt_file
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_generate_cli_prints_completion_and_speed():
+    res = run("engines.generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--dtype", "float32")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    assert "tokens/s" in res.stderr and "finish_reason=" in res.stderr
+
+
+def test_generate_cli_rejects_bad_sampling():
+    res = run("engines.generate", "--prompt", "hi", "--temperature", "-1")
+    assert res.returncode == 2 and "temperature" in res.stderr
+
+
+def test_sharegpt_prompt_file_round_trip(tmp_path):
+    records = sharegpt_prompts(5)
+    assert len(records) == 5 and all(r["messages"][0]["role"] == "user" for r in records)
+    path = tmp_path / "p.jsonl"
+    write_prompt_file(records, path)
+    assert read_prompt_file(path) == records
+
+
+@pytest.mark.slow
+def test_bench_reports_json_and_compares_with_transformers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    write_prompt_file(sharegpt_prompts(4, max_chars=300), path)
+    res = run(
+        "engines.bench",
+        "--prompts",
+        str(path),
+        "--max-new-tokens",
+        "8",
+        "--batch-size",
+        "2",
+        "--compare-hf",
+        "--dtype",
+        "float32",
+        "--warmup",
+        "0",
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for key in (
+        "tokens_per_s",
+        "output_tokens",
+        "wall_s",
+        "target_forwards",
+        "batch_size",
+        "dtype",
+        "device",
+        "outputs",
+        "hf_tokens_per_s",
+        "speedup_vs_hf",
+    ):
+        assert key in out
+    assert out["output_tokens"] == 4 * 8 and out["batch_size"] == 2 and out["dtype"] == "float32"
+    assert out["target_forwards"] >= 8 and out["tokens_per_s"] > 0 and out["speedup_vs_hf"] > 0
+    assert [len(o["token_ids"]) for o in out["outputs"]] == [8] * 4
+    # fp32 greedy on equal work: the two implementations agree on most prompts.
+    assert out["identical_to_hf"] >= 0.5
