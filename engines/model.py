@@ -22,7 +22,7 @@ from kernels import onednn_linear
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back (as the reference implementation does)."""
+    """Root-mean-square norm, computed in fp32 and cast back before the weight (as Llama does)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()
@@ -30,9 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -101,9 +99,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         q_local, kv_local = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_local, kv_local, kv_local], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        # RoPE on q and k heads in one go: they are adjacent in the fused projection.
+        heads = self.num_heads + self.num_kv_heads
+        qk = apply_rope(qkv[:, : q_local + kv_local].view(T, heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_local + kv_local :]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
