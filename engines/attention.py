@@ -32,7 +32,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     key_slots: torch.Tensor  # [B, K] slots each sequence attends over (padding points at slot 0)
     query_index: torch.Tensor | None  # [B, Q] rows of the T new tokens (None: one sequence, Q = T)
-    query_valid: torch.Tensor | None  # [B, Q] bool, False on padding (None: no padding)
+    query_rows: torch.Tensor | None  # [T] rows of the padded [B * Q] output holding real tokens (None: no padding)
     attn_mask: torch.Tensor | None  # [B, 1, Q, K] bool (None: every query sees every key)
 
 
@@ -47,17 +47,17 @@ def build_attention_metadata(seqs: list[SequenceLayout], device: torch.device | 
     for b, s in enumerate(seqs):
         key_slots[b, : num_keys[b]] = s.slots
 
-    query_index = query_valid = None
+    query_index = query_rows = None
     if B > 1:
         query_index = torch.zeros(B, Q, dtype=torch.long)
-        query_valid = torch.zeros(B, Q, dtype=torch.bool)
+        rows = []
         offset = 0
         for b, n in enumerate(num_new):
             query_index[b, :n] = torch.arange(offset, offset + n)
-            query_valid[b, :n] = True
+            rows.append(torch.arange(b * Q, b * Q + n))
             offset += n
-        if bool(query_valid.all()):
-            query_valid = None
+        if offset < B * Q:
+            query_rows = torch.cat(rows)
 
     has_tree = any(s.tree_mask is not None for s in seqs)
     if Q == 1 and not has_tree and len(set(num_keys)) == 1:
@@ -75,7 +75,7 @@ def build_attention_metadata(seqs: list[SequenceLayout], device: torch.device | 
         slot_mapping=slot_mapping.to(**to),
         key_slots=key_slots.to(**to),
         query_index=None if query_index is None else query_index.to(**to),
-        query_valid=None if query_valid is None else query_valid.to(**to),
+        query_rows=None if query_rows is None else query_rows.to(**to),
         attn_mask=None if attn_mask is None else attn_mask.to(**to),
     )
 
@@ -88,14 +88,19 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads * head_dim]
     """Scaled dot-product attention of each new token over its sequence's cached and new keys."""
-    T = q.shape[0]
-    keys = k_cache[meta.key_slots].transpose(1, 2)  # [B, kv_heads, K, head_dim]
-    values = v_cache[meta.key_slots].transpose(1, 2)
-    queries = q.unsqueeze(0) if meta.query_index is None else q[meta.query_index]  # [B, Q, heads, head_dim]
+    B, K = meta.key_slots.shape
+    flat = meta.key_slots.view(-1)
+    # index_select copies whole rows; advanced indexing (k_cache[slots]) is several times slower here.
+    keys = k_cache.index_select(0, flat).view(B, K, *k_cache.shape[1:]).transpose(1, 2)  # [B, kv_heads, K, d]
+    values = v_cache.index_select(0, flat).view(B, K, *v_cache.shape[1:]).transpose(1, 2)
+    if meta.query_index is None:
+        queries = q.unsqueeze(0)  # [1, T, heads, head_dim]
+    else:
+        queries = q.index_select(0, meta.query_index.view(-1)).view(B, -1, *q.shape[1:])  # [B, Q, heads, d]
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys, values, attn_mask=meta.attn_mask, scale=scale, enable_gqa=True
     )  # [B, heads, Q, head_dim]
-    out = out.transpose(1, 2)  # [B, Q, heads, head_dim]
-    if meta.query_valid is not None:
-        out = out[meta.query_valid]  # drop padding, back to the flat token order
-    return out.reshape(T, -1)
+    out = out.transpose(1, 2).reshape(-1, q.shape[1] * q.shape[2])  # [B * Q, heads * head_dim]
+    if meta.query_rows is not None:
+        out = out.index_select(0, meta.query_rows)  # drop padding, back to the flat token order
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -286,6 +286,4 @@ class Completion:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_forwards: int = 0
-
-    def __post_init__(self) -> None:
-        self.token_ids: list[int] = []
+    token_ids: list[int] = field(default_factory=list)

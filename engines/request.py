@@ -28,7 +28,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues look requests up with `in` / `remove`
 class Request:
     """Tokens, progress and stopping state of one generation.
 
