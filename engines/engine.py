@@ -24,6 +24,17 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and routing."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    kv_free_blocks: int
+    num_forwards: int  # target forward passes since start
+
+
+@dataclass
 class EngineConfig:
     """Engine settings: which model, where, and how much KV cache and batching it may use."""
 
@@ -170,6 +181,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """Current queue lengths and KV-cache use."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.usage(),
+            kv_free_blocks=self.kv_cache.allocator.num_free,
+            num_forwards=self.num_forwards,
+        )
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

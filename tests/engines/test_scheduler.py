@@ -65,14 +65,16 @@ def test_abort_frees_blocks_and_reports_abort(engine_fp32):
     b = engine_fp32.add_request(CHAT_PROMPTS[1], SamplingParams(temperature=0, max_tokens=5))
     for _ in range(3):
         engine_fp32.step()
-    assert engine_fp32.kv_cache.allocator.num_free < free_before
+    busy = engine_fp32.stats()
+    assert busy.num_running == 2 and busy.num_waiting == 0 and busy.kv_cache_usage > 0
+    assert busy.kv_free_blocks < free_before
     out = engine_fp32.abort(a.request_id)
     assert out.finished and out.finish_reason is FinishReason.ABORT
     assert engine_fp32.abort(a.request_id) is None  # idempotent
     while engine_fp32.has_unfinished():
         engine_fp32.step()
     assert b.finish_reason is not None
-    assert engine_fp32.kv_cache.allocator.num_free == free_before
+    assert engine_fp32.stats().kv_free_blocks == free_before and engine_fp32.stats().num_running == 0
 
 
 def test_abort_of_waiting_request(make_engine):
@@ -189,3 +191,26 @@ def test_duplicate_request_id(engine_fp32):
     with pytest.raises(InvalidRequestError):
         engine_fp32.add_request(CHAT_PROMPTS[0], GREEDY, request_id="dup")
     engine_fp32.abort("dup")
+
+
+def test_prefill_and_decode_share_a_step_under_the_token_budget(make_engine):
+    engine = make_engine(max_num_batched_tokens=16)
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    a = engine.add_request(CHAT_PROMPTS[0], params, request_id="a")
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        engine.step()
+    engine.add_request(CHAT_PROMPTS[3], params, request_id="b")
+    engine.step()
+    assert seen[-1] == [("a", 1), ("b", 15)]  # a decodes; b prefills a chunk with the rest of the budget
+    assert all(sum(n for _, n in step) <= 16 for step in seen)
+    while engine.has_unfinished():
+        engine.step()
