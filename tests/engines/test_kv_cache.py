@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention import SequenceLayout, build_attention_metadata
 from engines.errors import CacheCapacityError
 from engines.kv_cache import BlockAllocator, PagedKVCache
+from tests.engines.helpers import forward_one, new_cache
 
 
 def test_allocator_accounting():
@@ -66,14 +66,10 @@ def test_tree_write_then_commit_equals_cache_of_path_alone(engine_fp32, path):
     nxt = 42
 
     def cache():  # block size 4 so the tree and the path cross block boundaries
-        return PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, 64, 4, torch.float32, "cpu")
+        return new_cache(model, block_size=4)
 
     def forward(kv, seq, tokens, cached, positions, mask=None):
-        kv.allocate(seq, cached + len(tokens))
-        meta = build_attention_metadata(
-            [SequenceLayout(kv.slots(seq, 0, cached + len(tokens)), cached, len(tokens), mask)], "cpu"
-        )
-        return model(torch.tensor(tokens), torch.tensor(positions), meta, kv)
+        return forward_one(model, kv, seq, tokens, cached, positions, mask)
 
     # A: prompt, then the whole tree in one forward, then commit the accepted path.
     a = cache()

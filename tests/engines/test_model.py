@@ -6,26 +6,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.attention import SequenceLayout, build_attention_metadata
-from engines.kv_cache import PagedKVCache
 from engines.loader import load_model
+from tests.engines.helpers import forward_one, new_cache
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def new_cache(model, num_blocks=64, block_size=16, dtype=torch.float32):
-    cfg = model.cfg
-    return PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, "cpu")
-
-
 def run(model, kv, seq_id, tokens, num_cached):
-    """Forward `tokens` for one sequence on top of `num_cached` cached tokens; logits for every token."""
-    n = len(tokens)
-    kv.allocate(seq_id, num_cached + n)
-    meta = build_attention_metadata([SequenceLayout(kv.slots(seq_id, 0, num_cached + n), num_cached, n)], "cpu")
-    return model(torch.tensor(tokens), torch.arange(num_cached, num_cached + n), meta, kv)
+    return forward_one(model, kv, seq_id, tokens, num_cached)
 
 
 def test_prompt_and_decode_match_transformers_fp32(engine_fp32, hf_fp32):

@@ -10,23 +10,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engines.attention import SequenceLayout, build_attention_metadata
-from engines.kv_cache import PagedKVCache
 from engines.loader import load_model
 from engines.parallel import TensorParallel
+from tests.engines.helpers import forward_one, new_cache
 
 WORLD = 3
 
 
 def forward_logits(model, ids: list[int]) -> torch.Tensor:
-    cfg = model.cfg
-    kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, 8, 16, torch.float32, "cpu")
-    kv.allocate("s", len(ids) + 1)
-    meta = build_attention_metadata([SequenceLayout(kv.slots("s", 0, len(ids)), 0, len(ids))], "cpu")
-    logits, _ = model(torch.tensor(ids), torch.arange(len(ids)), meta, kv)
-    # Decode one more token on top of the sharded cache.
-    meta = build_attention_metadata([SequenceLayout(kv.slots("s", 0, len(ids) + 1), len(ids), 1)], "cpu")
-    step, _ = model(torch.tensor([3]), torch.tensor([len(ids)]), meta, kv)
+    """Logits of a prompt, then of one decode step on top of the (sharded) cache."""
+    kv = new_cache(model, num_blocks=8)
+    logits, _ = forward_one(model, kv, "s", ids, 0)
+    step, _ = forward_one(model, kv, "s", [3], len(ids))
     return torch.cat([logits, step])
 
 

@@ -1,0 +1,33 @@
+"""Small helpers the engine tests share: a KV cache for a model, and one-sequence forwards over it."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.attention import SequenceLayout, build_attention_metadata
+from engines.kv_cache import PagedKVCache
+from engines.model import LlamaModel
+
+
+def new_cache(model: LlamaModel, num_blocks: int = 64, block_size: int = 16, dtype=torch.float32) -> PagedKVCache:
+    """A KV cache shaped for `model` (this rank's KV heads)."""
+    cfg = model.cfg
+    return PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, num_blocks, block_size, dtype, "cpu")
+
+
+def forward_one(
+    model: LlamaModel,
+    kv: PagedKVCache,
+    seq_id: str,
+    tokens: list[int],
+    num_cached: int,
+    positions: list[int] | None = None,
+    tree_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one sequence's new tokens on top of `num_cached` cached ones; logits for every new token."""
+    n = len(tokens)
+    kv.allocate(seq_id, num_cached + n)
+    layout = SequenceLayout(kv.slots(seq_id, 0, num_cached + n), num_cached, n, tree_mask)
+    meta = build_attention_metadata([layout], "cpu")
+    pos = torch.tensor(positions) if positions is not None else torch.arange(num_cached, num_cached + n)
+    return model(torch.tensor(tokens), pos, meta, kv)
