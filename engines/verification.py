@@ -1,0 +1,186 @@
+"""Lossless verification of draft trees and chains against the target's distributions.
+
+Every verifier takes the target's processed distributions at the draft's nodes and draws its
+random numbers from an `Rng` *after* the draft is fixed. Randomness enters only through
+`Rng.bernoulli` and `Rng.categorical`, so the exact-enumeration tests can run these very
+functions with an enumerating Rng and compute the law of their output exactly.
+
+- `verify_greedy`: temperature 0; longest path of argmax matches, bonus = argmax at its end.
+- `verify_tree`: deterministic (top-k / n-gram) trees at temperature > 0. At each node children are
+  tried in order; child x is accepted with probability p(x) under the current p, else p(x) := 0
+  and p is renormalised; with no child accepted the bonus is drawn from what is left of p; at a
+  leaf it is drawn from the leaf's p. This samples exactly from p at every node (EAGLE, SGLang).
+- `verify_chain_rejection`: stochastic chains (tokens drawn from q): token-wise rejection sampling.
+- `verify_chain_block`: stochastic chains: block verification (accepts at least as much in expectation).
+- `verify_chain_hsd_published_lossy`: the HSD paper's published rule, which accepts the whole draft
+  with probability min(1, prod rho) instead of block verification's capped weight. It is NOT
+  lossless (tests/engines/test_verification.py measures its drift); kept for comparison only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engines.draft_tree import DraftTree
+
+
+class Rng(Protocol):
+    """The random decisions a verifier may take."""
+
+    def bernoulli(self, p: float) -> bool:
+        """True with probability p."""
+        ...
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        """An index drawn with the given (unnormalised, non-negative) weights."""
+        ...
+
+
+class TorchRng:
+    """`Rng` over a request's torch.Generator."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def bernoulli(self, p: float) -> bool:
+        if p >= 1.0:
+            return True
+        if p <= 0.0:
+            return False
+        return torch.rand((), generator=self.generator, device=self.generator.device).item() < p
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.float(), 1, generator=self.generator).item())
+
+
+@dataclass
+class VerifyResult:
+    """The accepted root-to-node path (node indices, root first) and the token that follows it."""
+
+    path: list[int]
+    bonus: int
+
+    @property
+    def num_accepted(self) -> int:
+        """Accepted draft tokens (the root is not a draft)."""
+        return len(self.path) - 1
+
+
+def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
+    """Follow children equal to the target's argmax at each node (target_argmax: [n])."""
+    node = 0
+    path = [0]
+    children = _children_lists(tree)
+    while True:
+        want = target_argmax[node]
+        nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return VerifyResult(path, want)
+        node = nxt
+        path.append(node)
+
+
+def verify_tree(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """Sequential acceptance down a deterministic tree (target_probs: [n, vocab], rows sum to 1)."""
+    node = 0
+    path = [0]
+    children = _children_lists(tree)
+    while True:
+        p = target_probs[node]
+        accepted = None
+        for c in children[node]:
+            x = tree.tokens[c]
+            mass = p.sum().item()
+            if mass <= 0:
+                break
+            if rng.bernoulli(p[x].item() / mass):
+                accepted = c
+                break
+            p = p.clone()
+            p[x] = 0.0
+        if accepted is None:
+            return VerifyResult(path, rng.categorical(p if p.sum() > 0 else target_probs[node]))
+        node = accepted
+        path.append(node)
+
+
+def _chain_tokens(tree: DraftTree) -> list[int]:
+    if not tree.is_chain:
+        raise ValueError("chain verification needs a chain draft")
+    if tree.draft_probs is None:
+        raise ValueError("stochastic verification needs the draft's probabilities q")
+    return tree.tokens[1:]
+
+
+def verify_chain_rejection(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """Token-wise rejection sampling: accept x_t w.p. min(1, p/q); on rejection draw from (p - q)+."""
+    draft = _chain_tokens(tree)
+    q = tree.draft_probs
+    for t, x in enumerate(draft):
+        p_t, q_t = target_probs[t], q[t]
+        if not rng.bernoulli(min(1.0, (p_t[x] / q_t[x]).item()) if q_t[x] > 0 else 1.0):
+            residual = (p_t - q_t).clamp_min(0)
+            return VerifyResult(list(range(t + 1)), rng.categorical(residual if residual.sum() > 0 else p_t))
+    return VerifyResult(list(range(len(draft) + 1)), rng.categorical(target_probs[len(draft)]))
+
+
+def block_weights(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification's capped path weights w_0..w_g and the log-ratio prefix sums s_0..s_g."""
+    draft = _chain_tokens(tree)
+    g = len(draft)
+    idx = torch.tensor(draft)
+    p_x = target_probs[torch.arange(g), idx].double()
+    q_x = tree.draft_probs[torch.arange(g), idx].double()
+    s = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(torch.log(p_x) - torch.log(q_x), 0)])
+    w = torch.exp(s - torch.cummax(s.clamp_min(0), 0).values)  # w_t = min(1, w_{t-1} rho_t)
+    return w, s
+
+
+def _block_verify(tree: DraftTree, target_probs: torch.Tensor, rng: Rng, accept_all: float) -> VerifyResult:
+    draft = tree.tokens[1:]
+    g = len(draft)
+    w, _ = block_weights(tree, target_probs)
+    if rng.bernoulli(accept_all):
+        return VerifyResult(list(range(g + 1)), rng.categorical(target_probs[g]))
+    p = target_probs[:g].double()
+    q = tree.draft_probs[:g].double()
+    res = (w[:g, None] * p - q).clamp_min(0)  # [g, vocab]
+    S = res.sum(-1)
+    denom = S + 1 - w[:g]
+    h = torch.where(denom > 0, S / denom.clamp_min(1e-300), torch.ones_like(S))
+    h[0] = 1.0
+    tau = 0
+    for t in range(1, g):  # tau = the last t with U_t < h_t
+        if rng.bernoulli(h[t].item()):
+            tau = t
+    weights = res[tau] if S[tau] > 0 else p[tau]
+    return VerifyResult(list(range(tau + 1)), rng.categorical(weights))
+
+
+def verify_chain_block(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """Block verification: accept the whole chain w.p. w_g, else the longest prefix by the h_t draws."""
+    w, _ = block_weights(tree, target_probs)
+    return _block_verify(tree, target_probs, rng, w[-1].item())
+
+
+def verify_chain_hsd_published_lossy(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """LOSSY: the HSD paper's published code, accepting the whole chain w.p. min(1, prod rho)."""
+    _, s = block_weights(tree, target_probs)
+    return _block_verify(tree, target_probs, rng, min(1.0, torch.exp(s[-1]).item()))
+
+
+def _children_lists(tree: DraftTree) -> list[list[int]]:
+    children: list[list[int]] = [[] for _ in range(tree.size)]
+    for i, p in enumerate(tree.parents[1:], 1):
+        children[p].append(i)
+    return children
+
+
+CHAIN_VERIFIERS = {
+    "rejection": verify_chain_rejection,
+    "block": verify_chain_block,
+    "hsd-published-lossy": verify_chain_hsd_published_lossy,
+}

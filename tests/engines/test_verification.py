@@ -1,0 +1,236 @@
+"""The product's central promise: verification never changes the target's output distribution.
+
+The verifiers draw all their randomness through an `Rng`. Here an enumerating Rng runs the real
+verifier code down every branch of every random decision (drafting included), with exact
+probabilities, so the law of the emitted tokens is computed exactly, not estimated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engines.draft_tree import DraftTree
+from engines.verification import (
+    TorchRng,
+    verify_chain_block,
+    verify_chain_hsd_published_lossy,
+    verify_chain_rejection,
+    verify_greedy,
+    verify_tree,
+)
+
+V = 3  # vocabulary
+GAMMA = 3  # draft length
+L = 4  # emitted tokens whose joint law is checked (more than one speculative step's worth)
+
+
+class ForcedRng:
+    """Replays forced choices, then takes the first option, recording each new decision's options."""
+
+    def __init__(self, forced: list[int]):
+        self.forced = forced
+        self.taken: list[int] = []
+        self.num_options: list[int] = []
+        self.prob = 1.0
+
+    def _choose(self, probs: list[float]) -> int:
+        options = [k for k, p in enumerate(probs) if p > 0]
+        pos = len(self.taken)
+        k = self.forced[pos] if pos < len(self.forced) else 0
+        self.taken.append(k)
+        self.num_options.append(len(options))
+        self.prob *= probs[options[k]]
+        return options[k]
+
+    def bernoulli(self, p: float) -> bool:
+        p = min(max(p, 0.0), 1.0)
+        return self._choose([p, 1.0 - p]) == 0
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        w = probs.double() / probs.double().sum()
+        return self._choose(w.tolist())
+
+
+def exact_law(process: Callable[[ForcedRng], tuple[int, ...]]) -> dict[tuple[int, ...], float]:
+    """Run `process` down every branch of its random decisions; the probability of each outcome."""
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+    stack: list[list[int]] = [[]]
+    while stack:
+        forced = stack.pop()
+        rng = ForcedRng(forced)
+        outcome = process(rng)
+        law[outcome] += rng.prob
+        for pos in range(len(forced), len(rng.taken)):
+            for k in range(1, rng.num_options[pos]):
+                stack.append([*rng.taken[:pos], k])
+    return dict(law)
+
+
+class World:
+    """Random target p(.|prefix) and draft q(.|prefix) for every prefix, fixed by a seed."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.cache: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def dist(self, kind: str, prefix: tuple[int, ...]) -> torch.Tensor:
+        key = (kind, prefix)
+        if key not in self.cache:
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, kind, prefix)).encode()))
+            self.cache[key] = _dirichlet(g)
+        return self.cache[key]
+
+    def p(self, prefix):
+        return self.dist("p", tuple(prefix))
+
+    def q(self, prefix):
+        return self.dist("q", tuple(prefix))
+
+    def target_law(self) -> dict[tuple[int, ...], float]:
+        law = {}
+        for seq in itertools.product(range(V), repeat=L):
+            prob = 1.0
+            for t in range(L):
+                prob *= self.p(seq[:t])[seq[t]].item()
+            law[seq] = prob
+        return law
+
+
+def _dirichlet(g: torch.Generator) -> torch.Tensor:
+    x = -torch.log(torch.rand(V, generator=g, dtype=torch.float64))  # Exp(1) draws -> Dirichlet(1,...,1)
+    return x / x.sum()
+
+
+def chain_step(world: World, verifier, out: tuple[int, ...]) -> Callable[[ForcedRng], tuple[int, ...]]:
+    """One speculative step after `out`: draw a chain from q, verify it, emit accepted + bonus."""
+
+    def run(rng) -> tuple[int, ...]:
+        draft: list[int] = []
+        for _ in range(GAMMA):
+            draft.append(rng.categorical(world.q(out + tuple(draft))))
+        prefixes = [out + tuple(draft[:t]) for t in range(GAMMA + 1)]
+        tree = DraftTree.chain(-1, draft, draft_probs=torch.stack([world.q(pre) for pre in prefixes]))
+        res = verifier(tree, torch.stack([world.p(pre) for pre in prefixes]), rng)
+        return (*tuple(tree.tokens[i] for i in res.path[1:]), res.bonus)
+
+    return run
+
+
+def tree_step(world: World, widths: list[int], out: tuple[int, ...]) -> Callable[[ForcedRng], tuple[int, ...]]:
+    """One speculative step after `out` with a deterministic top-k tree built from q (widths per depth)."""
+
+    def run(rng) -> tuple[int, ...]:
+        tokens, parents, prefixes = [-1], [-1], [out]
+        frontier = [0]
+        for k in widths:
+            nxt = []
+            for node in frontier:
+                for x in torch.argsort(world.q(prefixes[node]), descending=True)[:k].tolist():
+                    tokens.append(x)
+                    parents.append(node)
+                    prefixes.append((*prefixes[node], x))
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt
+        tree = DraftTree(tokens, parents)
+        res = verify_tree(tree, torch.stack([world.p(pre) for pre in prefixes]), rng)
+        return (*tuple(tree.tokens[i] for i in res.path[1:]), res.bonus)
+
+    return run
+
+
+def decoding_law(step: Callable[[tuple[int, ...]], Callable]) -> dict[tuple[int, ...], float]:
+    """Exact law of the first L emitted tokens when speculative steps repeat until L are out.
+
+    A step's outcome depends only on what was emitted before it, so each prefix's one-step law is
+    enumerated once and the steps are chained by dynamic programming.
+    """
+    step_laws: dict[tuple[int, ...], dict] = {}
+    law: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def expand(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) >= L:
+            law[prefix[:L]] += prob
+            return
+        if prefix not in step_laws:
+            step_laws[prefix] = exact_law(step(prefix))
+        for emitted, p in step_laws[prefix].items():
+            expand(prefix + emitted, prob * p)
+
+    expand((), 1.0)
+    return dict(law)
+
+
+def total_variation(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("verifier", [verify_chain_rejection, verify_chain_block], ids=["rejection", "block"])
+def test_chain_verifiers_are_exactly_lossless(seed, verifier):
+    world = World(seed)
+    law = decoding_law(lambda out: chain_step(world, verifier, out))
+    assert abs(sum(law.values()) - 1.0) < 1e-12
+    assert total_variation(law, world.target_law()) < 1e-9
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("widths", [[2, 1, 1], [3, 2], [1, 1, 1], [2, 2, 2]])
+def test_tree_verifier_is_exactly_lossless(seed, widths):
+    world = World(seed)
+    law = decoding_law(lambda out: tree_step(world, widths, out))
+    assert total_variation(law, world.target_law()) < 1e-9
+
+
+def test_published_hsd_rule_drifts():
+    """The published HSD acceptance rule is measurably lossy; block verification is not."""
+    tvs = []
+    for seed in range(3):
+        world = World(seed)
+        law = decoding_law(lambda out, w=world: chain_step(w, verify_chain_hsd_published_lossy, out))
+        tvs.append(total_variation(law, world.target_law()))
+    print(f"HSD published rule, total variation from the target law: {[round(t, 4) for t in tvs]}")
+    assert all(tv > 1e-3 for tv in tvs)
+
+
+def test_block_accepts_at_least_as_much_as_tokenwise_in_expectation():
+    for seed in range(3):
+        world = World(seed)
+        mean_len = {}
+        for name, verifier in (("rejection", verify_chain_rejection), ("block", verify_chain_block)):
+            law = exact_law(chain_step(world, verifier, ()))
+            mean_len[name] = sum((len(k) - 1) * v for k, v in law.items())
+        assert mean_len["block"] >= mean_len["rejection"] - 1e-12
+
+
+def test_greedy_verifier_follows_argmax():
+    # root -> a(5) -> c(7); root -> b(6) -> d(8)
+    tree = DraftTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    assert verify_greedy(tree, [6, 7, 8, 0, 9]) == verify_greedy(tree, [6, 7, 8, 0, 9])
+    res = verify_greedy(tree, [6, 0, 8, 0, 9])
+    assert res.path == [0, 2, 4] and res.bonus == 9
+    res = verify_greedy(tree, [4, 0, 0, 0, 0])
+    assert res.path == [0] and res.bonus == 4
+
+
+def test_tree_verifier_monte_carlo_with_torch_rng():
+    """The same rule with real random numbers: frequencies of the first two tokens match p."""
+    world = World(7)
+    step = tree_step(world, [2, 2], ())
+    rng = TorchRng(torch.Generator().manual_seed(0))
+    n = 6000
+    counts: dict[tuple[int, int], int] = defaultdict(int)
+    for _ in range(n):
+        out = step(rng)
+        if len(out) < 2:
+            out = out + tree_step(world, [2, 2], out)(rng)
+        counts[out[:2]] += 1
+    for a, b in itertools.product(range(V), repeat=2):
+        want = world.p(())[a].item() * world.p((a,))[b].item()
+        got = counts[(a, b)] / n
+        assert abs(got - want) <= 5 * (want * (1 - want) / n) ** 0.5 + 1e-9, (a, b, got, want)
