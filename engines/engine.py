@@ -11,14 +11,18 @@ from typing import Any
 
 import torch
 
+from engines.draft_tree import DraftTree
+from engines.drafters.base import Drafter
 from engines.errors import ContextLengthError, InvalidRequestError
 from engines.kv_cache import PagedKVCache
 from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, Request, RequestOutput, RequestStatus
-from engines.sampling import SamplingParams, sample
-from engines.scheduler import Scheduler
+from engines.sampling import SamplingParams, processed_logprobs, sample
+from engines.scheduler import ScheduledRequest, Scheduler
+from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
+from engines.verification import CHAIN_VERIFIERS, TorchRng, VerifyResult, verify_greedy, verify_tree
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,44 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use
     kv_free_blocks: int
     num_forwards: int  # target forward passes since start
+    spec: SpecStats | None = None  # acceptance counters when a drafter is configured
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters since start (or since `reset`)."""
+
+    num_steps: int = 0  # request-steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    reached_depth: list[int] = field(default_factory=list)  # [d-1]: steps that could accept depth d
+    accepted_depth: list[int] = field(default_factory=list)  # [d-1]: steps that accepted depth d
+
+    def record(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Count one verified draft."""
+        self.num_steps += 1
+        self.num_draft_tokens += tree.num_draft
+        self.num_accepted_tokens += result.num_accepted
+        last = result.path[-1]
+        # Depth d could be accepted if depth d-1 was and that node had children to try.
+        reachable = result.num_accepted + (1 if any(p == last for p in tree.parents) else 0)
+        for d in range(1, reachable + 1):
+            while len(self.reached_depth) < d:
+                self.reached_depth.append(0)
+                self.accepted_depth.append(0)
+            self.reached_depth[d - 1] += 1
+            if d <= result.num_accepted:
+                self.accepted_depth[d - 1] += 1
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Accepted draft tokens plus the bonus token, per verification step."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Conditional acceptance at depth 1, 2, ...: accepted at d given d-1 accepted and d tried."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_depth, self.reached_depth, strict=True)]
 
 
 @dataclass
@@ -47,9 +89,18 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max positions, capped by the KV cache
+    drafter: str = "none"  # "none", "ngram" or "draft-model"
+    draft_model: str | None = None  # checkpoint of the draft model for drafter="draft-model"
+    spec: SpecParams = field(default_factory=SpecParams)  # default speculation per request
+    chain_verifier: str = "block"  # stochastic chains at temperature > 0: "block" or "rejection"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {sorted(DRAFTERS)}")
+        if self.chain_verifier not in ("block", "rejection"):
+            raise ValueError("chain_verifier must be 'block' or 'rejection' (the lossy HSD rule is test-only)")
+        self.spec.validate()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -97,6 +148,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
+        self.drafter: Drafter | None = make_drafter(config, self)
+        self.spec_stats = SpecStats()
         log.info(
             "engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
             loaded.checkpoint.name,
@@ -114,9 +167,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        spec: SpecParams | None = None,
     ) -> Request:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+
+        `spec` overrides the engine's default speculation for this request (`enabled=False` turns
+        it off); without a drafter it is ignored.
+        """
         params = (params or SamplingParams()).validate(self.tokenizer.vocab_size)
+        spec = (spec or self.config.spec).validate()
         if prompt_token_ids is None:
             prompt = self.tokenizer.apply_chat_template(messages)
         else:
@@ -150,6 +209,7 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             generator=params.make_generator(self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
+            spec=spec if spec.enabled and self.drafter is not None else None,
         )
 
     def add(self, request: Request) -> None:
@@ -165,9 +225,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        spec: SpecParams | None = None,
     ) -> Request:
         """Validate, tokenize and queue a request; raises InvalidRequestError without side effects."""
-        req = self.make_request(messages, params, request_id, prompt_token_ids)
+        req = self.make_request(messages, params, request_id, prompt_token_ids, spec)
         self.add(req)
         return req
 
@@ -190,31 +251,81 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache.usage(),
             kv_free_blocks=self.kv_cache.allocator.num_free,
             num_forwards=self.num_forwards,
+            spec=self.spec_stats if self.drafter is not None else None,
         )
 
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step: forward, sample, stop checks. Returns a delta per request that moved."""
+        """Run one scheduler step: draft, forward, verify or sample, stop checks. Returns a delta per
+        request that moved."""
+        if self.drafter is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         result = self.runner.execute(self.runner.inputs_for(sched))
         self.num_forwards += 1
-        sampling_reqs: list[Request] = []
-        rows: list[torch.Tensor] = []
-        for s, logits in zip(sched.scheduled, result.logits, strict=True):
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            req.num_forwards += 1
-            if len(logits):
-                sampling_reqs.append(req)
-                rows.append(logits[-1])
         outputs = []
-        if sampling_reqs:
-            tokens = sample(torch.stack(rows), [r.params for r in sampling_reqs], [r.generator for r in sampling_reqs])
-            for req, tok in zip(sampling_reqs, tokens.tolist(), strict=True):
+        sampling: list[tuple[Request, torch.Tensor]] = []
+        for s, logits, hidden in zip(sched.scheduled, result.logits, result.hidden, strict=True):
+            req = s.request
+            req.num_forwards += 1
+            if s.draft is not None:
+                outputs.append(self._accept_draft(s, logits, hidden))
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if len(logits):
+                sampling.append((req, logits[-1]))
+        if sampling:
+            reqs = [r for r, _ in sampling]
+            tokens = sample(
+                torch.stack([row for _, row in sampling]), [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            for req, tok in zip(reqs, tokens.tolist(), strict=True):
                 outputs.append(self.append_tokens(req, [tok]))
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for a tree for every decoding request that speculates, within its limits."""
+        reqs, specs = [], []
+        for req in self.scheduler.running:
+            if req.spec is None or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            # Leave room for the bonus token within max_tokens (admission already made
+            # prompt + max_tokens fit the context, so this bounds positions too).
+            depth = min(req.spec.depth, req.max_tokens - len(req.output_token_ids) - 1)
+            if depth >= 1:
+                reqs.append(req)
+                specs.append(SpecParams(depth=depth, width=req.spec.width, budget=req.spec.budget))
+        if not reqs:
+            return
+        for req, spec, tree in zip(reqs, specs, self.drafter.propose(reqs, specs), strict=True):
+            if tree is not None and tree.num_draft > 0:
+                req.draft = tree.truncate_depth(spec.depth).prune(spec.budget + 1)
+
+    def _accept_draft(self, s: ScheduledRequest, logits: torch.Tensor, hidden: torch.Tensor) -> RequestOutput:
+        """Verify a request's tree against the target's logits at its nodes, commit the accepted path."""
+        req, tree = s.request, s.draft
+        if req.params.greedy:
+            result = verify_greedy(tree, logits.argmax(-1).tolist())
+        else:
+            probs = processed_logprobs(logits, [req.params] * tree.size).exp()
+            rng = TorchRng(req.generator)
+            if tree.draft_probs is not None:
+                result = CHAIN_VERIFIERS[self.config.chain_verifier](tree, probs, rng)
+            else:
+                result = verify_tree(tree, probs, rng)
+        base = req.num_computed_tokens
+        self.kv_cache.commit_path(req.request_id, base, result.path)
+        req.num_computed_tokens = base + len(result.path)
+        req.num_spec_steps += 1
+        req.num_draft_tokens += tree.num_draft
+        req.num_accepted_tokens += result.num_accepted
+        self.spec_stats.record(tree, result)
+        out = self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus])
+        if not req.finished:
+            self.drafter.on_verified(req, tree, result, hidden[result.path])
+        return out
 
     def append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append generated tokens, applying stop tokens, stop strings and max_tokens; emit the delta."""
@@ -252,6 +363,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
         req.finish_reason = reason
         self.scheduler.finish(req)
+        if self.drafter is not None:
+            self.drafter.on_finished(req)
         out = self._delta(req)
         del self.requests[req.request_id]
         return out
@@ -274,6 +387,9 @@ class LLMEngine:
             num_forwards=req.num_forwards,
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
+            num_spec_steps=req.num_spec_steps,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_tokens=req.num_accepted_tokens,
         )
 
     # ---- offline use -------------------------------------------------------------------------
@@ -308,3 +424,26 @@ class Completion:
     num_prompt_tokens: int = 0
     num_forwards: int = 0
     token_ids: list[int] = field(default_factory=list)
+
+
+def _ngram(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.ngram import NgramDrafter
+
+    return NgramDrafter()
+
+
+def _draft_model(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.draft_model import DraftModelDrafter
+
+    if config.draft_model is None:
+        raise ValueError("drafter 'draft-model' needs draft_model (a checkpoint sharing the target's tokenizer)")
+    return DraftModelDrafter(config.draft_model, engine)
+
+
+DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model}
+
+
+def make_drafter(config: EngineConfig, engine: LLMEngine) -> Drafter | None:
+    """The drafter named by the config, or None."""
+    factory = DRAFTERS[config.drafter]
+    return None if factory is None else factory(config, engine)

@@ -76,11 +76,24 @@ class ModelRunner:
         return StepResult(out_logits, out_hidden)
 
     def inputs_for(self, sched: SchedulerOutput) -> list[StepInput]:
-        """Plain (non-speculative) step inputs: each request's next chunk; logits only at its end."""
+        """Step inputs: a draft tree with logits at every node, or the next chunk with logits at its end."""
         inputs = []
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
+            if s.draft is not None:
+                tree = s.draft
+                inputs.append(
+                    StepInput(
+                        req.request_id,
+                        tree.tokens,
+                        start,
+                        positions=tree.positions(start),
+                        tree_mask=tree.attention_mask(),
+                        logits_rows=list(range(tree.size)),
+                    )
+                )
+                continue
             end = start + s.num_new_tokens
             rows = [s.num_new_tokens - 1] if end == req.num_tokens else []
             inputs.append(StepInput(req.request_id, req.token_ids(start, end), start, logits_rows=rows))

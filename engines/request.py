@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engines.draft_tree import DraftTree
 from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer
 
 
@@ -55,6 +57,11 @@ class Request:
     first_token_time: float | None = None
     num_forwards: int = 0  # target forward passes this request took part in
     num_preemptions: int = 0
+    spec: SpecParams | None = None  # None: no speculation for this request
+    draft: DraftTree | None = None  # proposed for the coming step
+    num_spec_steps: int = 0  # verification forwards with a draft
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,3 +102,6 @@ class RequestOutput:
     num_forwards: int
     arrival_time: float
     first_token_time: float | None
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

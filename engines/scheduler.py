@@ -6,16 +6,22 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engines.draft_tree import DraftTree
 from engines.kv_cache import PagedKVCache
 from engines.request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledRequest:
-    """Run `num_new_tokens` of this request's tokens, starting at its `num_computed_tokens`."""
+    """Run `num_new_tokens` of this request's tokens, starting at its `num_computed_tokens`.
+
+    With a `draft`, the request is decoding: its one new token is the draft's root and the
+    draft's other nodes ride along for verification (`num_new_tokens` counts them all).
+    """
 
     request: Request
     num_new_tokens: int
+    draft: DraftTree | None = None
 
 
 @dataclass
@@ -34,9 +40,11 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which requests run and how many tokens each gets.
 
-    Running requests go first, oldest first, so decodes are never starved by new prompts. A running
-    request that cannot get KV blocks preempts the newest running request (freeing its blocks; it
-    recomputes later). Waiting requests are admitted in arrival order while the token budget,
+    Running requests go first, oldest first, so decodes are never starved by new prompts. A decoding
+    request's draft tree is verified in the same step when the token budget and the KV cache allow
+    it (it is pruned to the budget left, or dropped). A running request that cannot get KV blocks
+    preempts the newest running request (freeing its blocks; it recomputes later).
+    Waiting requests are admitted in arrival order while the token budget,
     `max_num_seqs` and free blocks allow; a prompt longer than the remaining budget is prefilled in
     chunks over several steps.
     """
@@ -64,6 +72,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = self._fit_draft(req, n, budget)
+            if draft is not None:
+                self.kv.allocate(req.request_id, req.num_computed_tokens + draft.size)
+                out.scheduled.append(ScheduledRequest(req, draft.size, draft))
+                budget -= draft.size
+                i += 1
+                continue
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -91,7 +106,18 @@ class Scheduler:
             budget -= n
         return out
 
+    def _fit_draft(self, req: Request, n: int, budget: int) -> DraftTree | None:
+        """The request's draft, pruned to the token budget, if it is decoding and the KV cache has room."""
+        draft, req.draft = req.draft, None  # a draft is good for one step only
+        if draft is None or n != 1 or budget < 2:
+            return None
+        draft = draft.prune(budget)
+        if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + draft.size):
+            return None
+        return draft
+
     def _preempt(self, req: Request) -> None:
+        req.draft = None
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -1,0 +1,1 @@
+"""Drafters: one module per method behind the `Drafter` interface (base.py)."""

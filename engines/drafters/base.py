@@ -1,0 +1,35 @@
+"""The interface every drafter implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engines.draft_tree import DraftTree
+from engines.request import Request
+from engines.spec_params import SpecParams
+from engines.verification import VerifyResult
+
+
+class Drafter(ABC):
+    """Proposes a draft tree per request each step and learns from the verification outcome.
+
+    `propose` may return None for a request (no speculation this step); trees may differ in size
+    across requests. The engine prunes each tree to the request's budget and depth limit.
+    """
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
+        """One tree per request, rooted at its last token (not yet in the KV cache)."""
+
+    def on_verified(  # noqa: B027 - optional hook, stateless drafters ignore it
+        self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor
+    ) -> None:
+        """The accepted path of `tree`, its bonus token, and the target's hidden states on the path
+        ([len(path), hidden]). Called after the tokens were appended to the request."""
+
+    def on_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """The request ended (finished, aborted or preempted); drop per-request state."""

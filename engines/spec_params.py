@@ -1,0 +1,28 @@
+"""Per-request speculation settings: tree depth, width and verification budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.errors import InvalidRequestError
+
+
+@dataclass
+class SpecParams:
+    """How much to speculate for one request: a tree `depth` deep, `width` children per node at most,
+    and at most `budget` draft tokens verified per step (the root is not counted)."""
+
+    depth: int = 4
+    width: int = 1
+    budget: int = 8
+    enabled: bool = True
+
+    def validate(self) -> SpecParams:
+        """Raise InvalidRequestError for impossible settings."""
+        for name in ("depth", "width", "budget"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                raise InvalidRequestError(
+                    f"speculation {name} must be an integer in [1, 64], got {v!r}", param=f"speculation.{name}"
+                )
+        return self
