@@ -89,7 +89,8 @@ class NgramDrafter(Drafter):
 
     The longest suffix of the request (max_n down to min_n tokens) that occurred before selects the
     matches; their continuations form the tree. With `share_across_requests`, requests that finished
-    recently are searched too when the request itself has no match.
+    recently are searched too when the request itself has no match (not for seeded requests, whose
+    output must not depend on other traffic).
     """
 
     name = "ngram"
@@ -124,7 +125,10 @@ class NgramDrafter(Drafter):
             idx = self._index(req)
             root = idx.tokens[-1]
             tree = None
-            for source in (idx, self.shared) if self.share else (idx,):
+            # A seeded request drafts from its own tokens only: drafts that depended on other requests
+            # would change how its random numbers are consumed, and so its output.
+            shared = self.share and req.params.seed is None
+            for source in (idx, self.shared) if shared else (idx,):
                 for n in range(min(self.max_n, len(idx.tokens)), self.min_n - 1, -1):
                     conts = source.continuations(idx.tokens[-n:], spec.depth, self.max_matches)
                     if conts:
