@@ -1,12 +1,16 @@
-"""Offline decoding benchmark of our engine, optionally against transformers' `generate`.
+"""Offline decoding benchmark: our engine's decoding configurations side by side, and transformers.
 
-    python -m engines.bench --prompts FILE.jsonl --max-new-tokens 64 --batch-size 4 [--compare-hf]
+    python -m engines.bench --prompts FILE.jsonl --max-new-tokens 64 --batch-size 1 \\
+        --compare none,ngram,ngram:6:3:16 [--compare-hf]
 
-Prompts are served in waves of `--batch-size` conversations submitted together. With
-`--compare-hf`, transformers' `generate` runs the same waves on the same dequantized checkpoint,
-dtype and settings in the same process, alternating which side goes first, and both sides produce
-exactly `--max-new-tokens` tokens per prompt (EOS ignored) so they do equal work. The last line
-of stdout is one JSON object with the results.
+Prompts are served in waves of `--batch-size` conversations submitted together. Every
+configuration runs every wave, in rotating order, in one process, so machine noise hits all of them
+alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`), optionally with its tree
+as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`). With `--compare-hf`,
+transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
+the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
+ignored) so all do equal work. The last line of stdout is one JSON object; its top-level fields
+describe the first configuration, `configs` holds them all.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engines.datasets import read_prompt_file
-from engines.engine import EngineConfig, LLMEngine
+from engines.engine import EngineConfig, LLMEngine, SpecStats
 from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
 
 
 class HFRunner:
@@ -38,7 +44,9 @@ class HFRunner:
         self.pad = engine.tokenizer.hf.pad_token_id or 0
 
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    def run(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, prompt_lookup: int | None = None
+    ) -> list[list[int]]:
         """Generate exactly `max_new_tokens` tokens per prompt; returns the new token ids."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.device)
@@ -48,6 +56,8 @@ class HFRunner:
             if temperature > 0
             else {"do_sample": False}
         )
+        if prompt_lookup:
+            sampling["prompt_lookup_num_tokens"] = prompt_lookup
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -59,11 +69,29 @@ class HFRunner:
         return out[:, width:].tolist()
 
 
-def run_ours(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
-    """One wave on our engine; returns output ids and the target forwards it took."""
-    before = engine.num_forwards
-    done = engine.generate(prompts, params)
-    return [c.token_ids for c in done], engine.num_forwards - before
+@dataclass
+class Side:
+    """One decoding configuration's tallies over the run."""
+
+    name: str
+    wall_s: float = 0.0
+    forwards: int = 0
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)
+    wave_s: list[float] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs.values())
+
+
+def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
+    """'ngram' or 'ngram:depth:width:budget' -> (drafter, tree settings)."""
+    name, *nums = text.split(":")
+    if len(nums) not in (0, 3):
+        raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
+    depth, width, budget = (int(n) for n in nums) if nums else (args.depth, args.width, args.budget)
+    return name, SpecParams(depth=depth, width=width, budget=budget)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -76,84 +104,157 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ap.add_argument("--drafter", default="none", help="drafter when --compare is not given")
+    ap.add_argument("--depth", type=int, default=4, help="draft tree depth")
+    ap.add_argument("--width", type=int, default=2, help="children per draft node at most")
+    ap.add_argument("--budget", type=int, default=8, help="draft tokens verified per step at most")
+    ap.add_argument("--compare", default=None, help="comma-separated configurations, e.g. none,ngram,ngram:6:3:16")
+    ap.add_argument("--draft-model", default=None, help="checkpoint of the draft model (drafter draft-model)")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compare-hf", action="store_true", help="time transformers' generate on the same waves")
+    ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
+    ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")
     args = ap.parse_args(argv)
 
     records = read_prompt_file(args.prompts)[: args.num_prompts]
-    engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.batch_size, 1))
-    )
-    prompts = [engine.tokenizer.apply_chat_template(r["messages"]) for r in records]
+    configs = [parse_config(c, args) for c in (args.compare or args.drafter).split(",")]
+    names = (args.compare or args.drafter).split(",")
+    engines: dict[str, LLMEngine] = {}
+    for drafter, spec in configs:
+        if drafter not in engines:
+            engines[drafter] = LLMEngine(
+                EngineConfig(
+                    model=args.model,
+                    dtype=args.dtype,
+                    device=args.device,
+                    max_num_seqs=max(args.batch_size, 1),
+                    drafter=drafter,
+                    draft_model=args.draft_model,
+                    spec=spec,
+                )
+            )
+    first = next(iter(engines.values()))
+    prompts = [first.tokenizer.apply_chat_template(r["messages"]) for r in records]
     ignore_eos = args.ignore_eos or args.compare_hf
-    params = SamplingParams(
-        temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=ignore_eos
-    )
+    hf = HFRunner(first, args.dtype) if args.compare_hf else None
+
+    def run_ours(name: str, drafter: str, spec: SpecParams, wave: list[int], side: Side | None) -> None:
+        engine = engines[drafter]
+        params = SamplingParams(
+            temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=ignore_eos
+        )
+        before_forwards, before_spec = engine.num_forwards, engine.spec_stats
+        engine.spec_stats = SpecStats()
+        reqs = [engine.add_request(prompt_token_ids=prompts[i], params=params, spec=spec) for i in wave]
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        dt = time.perf_counter() - t0
+        if side is not None:
+            side.wall_s += dt
+            side.wave_s.append(dt)
+            side.forwards += engine.num_forwards - before_forwards
+            s = engine.spec_stats
+            side.spec.num_steps += s.num_steps
+            side.spec.num_draft_tokens += s.num_draft_tokens
+            side.spec.num_accepted_tokens += s.num_accepted_tokens
+            for d, (r, a) in enumerate(zip(s.reached_depth, s.accepted_depth, strict=True)):
+                while len(side.spec.reached_depth) <= d:
+                    side.spec.reached_depth.append(0)
+                    side.spec.accepted_depth.append(0)
+                side.spec.reached_depth[d] += r
+                side.spec.accepted_depth[d] += a
+            for i, r in zip(wave, reqs, strict=True):
+                side.outputs[i] = list(r.output_token_ids)
+        engine.spec_stats = before_spec
+
+    def run_hf(name: str, wave: list[int], side: Side | None) -> None:
+        lookup = args.hf_prompt_lookup if name == "hf-prompt-lookup" else None
+        t0 = time.perf_counter()
+        outs = hf.run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, lookup)
+        dt = time.perf_counter() - t0
+        if side is not None:
+            side.wall_s += dt
+            side.wave_s.append(dt)
+            for i, o in zip(wave, outs, strict=True):
+                side.outputs[i] = o
+
+    runners = [
+        (n, lambda w, s, d=d, sp=sp, n=n: run_ours(n, d, sp, w, s)) for n, (d, sp) in zip(names, configs, strict=True)
+    ]
+    if hf:
+        runners.append(("hf", lambda w, s: run_hf("hf", w, s)))
+        if args.batch_size == 1:  # transformers' assisted generation takes one sequence at a time
+            runners.append(("hf-prompt-lookup", lambda w, s: run_hf("hf-prompt-lookup", w, s)))
+    sides = {n: Side(n) for n, _ in runners}
     waves = [list(range(i, min(i + args.batch_size, len(prompts)))) for i in range(0, len(prompts), args.batch_size)]
-    hf = HFRunner(engine, args.dtype) if args.compare_hf else None
-
     for w in waves[: args.warmup]:
-        run_ours(engine, [prompts[i] for i in w], params)
-        if hf:
-            hf.run([prompts[i] for i in w], args.max_new_tokens, args.temperature)
-
-    outputs: list[list[int]] = [[] for _ in prompts]
-    hf_outputs: list[list[int]] = [[] for _ in prompts]
-    ours_s = hf_s = 0.0
-    forwards = 0
-    ratios = []
+        for _, run in runners:
+            run(w, None)
     for k, w in enumerate(waves):
-        batch = [prompts[i] for i in w]
-        sides = ["ours", "hf"] if k % 2 == 0 else ["hf", "ours"]
-        times = {}
-        for side in sides:
-            if side == "hf" and hf is None:
-                continue
-            t0 = time.perf_counter()
-            if side == "ours":
-                outs, f = run_ours(engine, batch, params)
-                forwards += f
-                for i, o in zip(w, outs, strict=True):
-                    outputs[i] = o
-            else:
-                for i, o in zip(w, hf.run(batch, args.max_new_tokens, args.temperature), strict=True):
-                    hf_outputs[i] = o
-            times[side] = time.perf_counter() - t0
-        ours_s += times["ours"]
-        if hf:
-            hf_s += times["hf"]
-            ratios.append(times["hf"] / times["ours"])
-        print(f"wave {k + 1}/{len(waves)}: " + ", ".join(f"{s} {t:.2f}s" for s, t in times.items()), file=sys.stderr)
+        order = runners[k % len(runners) :] + runners[: k % len(runners)]
+        for _, run in order:
+            run(w, sides[_])
+        print(
+            f"wave {k + 1}/{len(waves)}: " + ", ".join(f"{n} {sides[n].wave_s[-1]:.2f}s" for n, _ in order),
+            file=sys.stderr,
+        )
 
-    n_out = sum(len(o) for o in outputs)
+    def summary(side: Side, base: Side | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tokens_per_s": side.output_tokens / side.wall_s,
+            "output_tokens": side.output_tokens,
+            "wall_s": side.wall_s,
+        }
+        if not side.name.startswith("hf"):
+            out.update(
+                {
+                    "target_forwards": side.forwards,
+                    "mean_accepted_tokens": side.spec.mean_accepted_tokens if side.spec.num_steps else 1.0,
+                    "acceptance_by_depth": side.spec.acceptance_by_depth,
+                    "draft_tokens": side.spec.num_draft_tokens,
+                    "accepted_tokens": side.spec.num_accepted_tokens,
+                }
+            )
+        if base is not None:
+            out["speedup_vs_none"] = out["tokens_per_s"] / (base.output_tokens / base.wall_s)
+            out["identical_to_none"] = sum(side.outputs[i] == base.outputs[i] for i in base.outputs) / len(prompts)
+        return out
+
+    base = sides.get("none")
+    per_config = {n: summary(sides[n], base if not n.startswith("hf") else None) for n in sides}
+    if "hf-prompt-lookup" in sides:
+        per_config["hf-prompt-lookup"]["speedup_vs_hf"] = (
+            per_config["hf-prompt-lookup"]["tokens_per_s"] / per_config["hf"]["tokens_per_s"]
+        )
+    primary = per_config[names[0]]
     result: dict[str, Any] = {
-        "tokens_per_s": n_out / ours_s,
-        "output_tokens": n_out,
-        "wall_s": ours_s,
-        "target_forwards": forwards,
+        **primary,
+        "config": names[0],
         "batch_size": args.batch_size,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
-        "device": str(engine.device),
+        "device": str(first.device),
         "torch_threads": torch.get_num_threads(),
+        "configs": per_config,
     }
     if hf:
-        hf_tokens = sum(len(o) for o in hf_outputs)
+        h = sides["hf"]
+        ratios = [h_s / o_s for h_s, o_s in zip(h.wave_s, sides[names[0]].wave_s, strict=True)]
         result.update(
             {
-                "hf_tokens_per_s": hf_tokens / hf_s,
-                "hf_wall_s": hf_s,
-                "speedup_vs_hf": (n_out / ours_s) / (hf_tokens / hf_s),
+                "hf_tokens_per_s": per_config["hf"]["tokens_per_s"],
+                "hf_wall_s": h.wall_s,
+                "speedup_vs_hf": primary["tokens_per_s"] / per_config["hf"]["tokens_per_s"],
                 "speedup_vs_hf_median_wave": statistics.median(ratios),
-                "identical_to_hf": sum(a == b for a, b in zip(outputs, hf_outputs, strict=True)) / len(prompts),
+                "identical_to_hf": sum(sides[names[0]].outputs[i] == h.outputs[i] for i in h.outputs) / len(prompts),
             }
         )
-    result["outputs"] = [{"id": r["id"], "token_ids": o} for r, o in zip(records, outputs, strict=True)]
+    result["outputs"] = [{"id": r["id"], "token_ids": sides[names[0]].outputs[i]} for i, r in enumerate(records)]
     print(json.dumps(result))
     return result
 
