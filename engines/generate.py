@@ -18,6 +18,7 @@ import torch
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
 from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--drafter", default="none", choices=["none", "ngram", "draft-model"])
+    ap.add_argument("--draft-model", default=None, help="draft model checkpoint for --drafter draft-model")
+    ap.add_argument("--depth", type=int, default=4, help="draft tree depth")
+    ap.add_argument("--width", type=int, default=2, help="children per draft node at most")
+    ap.add_argument("--budget", type=int, default=8, help="draft tokens verified per step at most")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,7 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         params.validate(vocab_size=sys.maxsize)  # fail fast, before the model loads
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        spec = SpecParams(depth=args.depth, width=args.width, budget=args.budget).validate()
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                drafter=args.drafter,
+                draft_model=args.draft_model,
+                spec=spec,
+            )
+        )
         req = engine.add_request(messages, params)
     except InvalidRequestError as e:
         print(f"error: {e.message}", file=sys.stderr)
@@ -67,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     first = None
     n = 0
     reason = None
+    last = None
     while engine.has_unfinished():
         for out in engine.step():
             if out.new_token_ids and first is None:
                 first = time.perf_counter()
             n = out.num_output_tokens
+            last = out
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
             reason = out.finish_reason
@@ -81,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[{n} tokens, finish_reason={reason.value if reason else None}, prompt {req.num_prompt_tokens} tokens, "
         f"TTFT {((first or end) - start) * 1e3:.0f} ms, {n / (end - start):.1f} tokens/s overall, "
-        f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else 0:.1f} tokens/s decoding]",
+        f"{(n - 1) / decode_s if n > 1 and decode_s > 0 else 0:.1f} tokens/s decoding, "
+        f"{last.num_forwards if last else 0} target forwards, "
+        f"{last.num_accepted_tokens if last else 0}/{last.num_draft_tokens if last else 0} draft tokens accepted]",
         file=sys.stderr,
     )
     return 0

@@ -38,7 +38,7 @@ def test_sharegpt_prompt_file_round_trip(tmp_path):
 @pytest.mark.slow
 def test_bench_reports_json_and_compares_with_transformers(tmp_path):
     path = tmp_path / "p.jsonl"
-    write_prompt_file(sharegpt_prompts(4, max_chars=300), path)
+    write_prompt_file(sharegpt_prompts(2, max_chars=300), path)
     res = run(
         "engines.bench",
         "--prompts",
@@ -46,7 +46,9 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
         "--max-new-tokens",
         "8",
         "--batch-size",
-        "2",
+        "1",
+        "--compare",
+        "none,ngram:3:2:4",
         "--compare-hf",
         "--dtype",
         "float32",
@@ -66,10 +68,18 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
         "outputs",
         "hf_tokens_per_s",
         "speedup_vs_hf",
+        "configs",
     ):
         assert key in out
-    assert out["output_tokens"] == 4 * 8 and out["batch_size"] == 2 and out["dtype"] == "float32"
-    assert out["target_forwards"] >= 8 and out["tokens_per_s"] > 0 and out["speedup_vs_hf"] > 0
-    assert [len(o["token_ids"]) for o in out["outputs"]] == [8] * 4
-    # fp32 greedy on equal work: the two implementations agree on most prompts.
-    assert out["identical_to_hf"] >= 0.5
+    assert out["config"] == "none" and out["output_tokens"] == 2 * 8 and out["dtype"] == "float32"
+    assert out["target_forwards"] == 16 and out["tokens_per_s"] > 0 and out["speedup_vs_hf"] > 0
+    assert [len(o["token_ids"]) for o in out["outputs"]] == [8] * 2
+    assert set(out["configs"]) == {"none", "ngram:3:2:4", "hf", "hf-prompt-lookup"}
+    ngram = out["configs"]["ngram:3:2:4"]
+    for key in ("tokens_per_s", "mean_accepted_tokens", "acceptance_by_depth", "target_forwards", "speedup_vs_none"):
+        assert key in ngram
+    assert ngram["output_tokens"] == 16 and ngram["target_forwards"] <= 16
+    assert ngram["mean_accepted_tokens"] >= 1.0 and len(ngram["acceptance_by_depth"]) <= 3
+    assert "speedup_vs_hf" in out["configs"]["hf-prompt-lookup"]
+    # fp32 greedy on equal work: the implementations agree on most prompts.
+    assert out["identical_to_hf"] >= 0.5 and ngram["identical_to_none"] >= 0.5

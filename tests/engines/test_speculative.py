@@ -15,16 +15,23 @@ from engines.spec_params import SpecParams
 from tests.conftest import CHAT_PROMPTS
 from tests.engines.helpers import forward_one, new_cache
 
-REPEAT = [{"role": "user", "content": "Repeat this list exactly three times: apple, banana, cherry, dates, elderberry."}]
-PROMPTS = [*CHAT_PROMPTS, REPEAT, *(r["messages"] for r in sharegpt_prompts(2, max_chars=400)),
-           humaneval_prompts(1)[0]["messages"]]
+REPEAT = [
+    {"role": "user", "content": "Repeat this list exactly three times: apple, banana, cherry, dates, elderberry."}
+]
+PROMPTS = [
+    *CHAT_PROMPTS,
+    REPEAT,
+    *(r["messages"] for r in sharegpt_prompts(2, max_chars=400)),
+    humaneval_prompts(1)[0]["messages"],
+]
 MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
 def ngram_engine():
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512, drafter="ngram",
-                                  spec=SpecParams(depth=4, width=2, budget=8)))
+    return LLMEngine(
+        EngineConfig(dtype="float32", num_kv_blocks=512, drafter="ngram", spec=SpecParams(depth=4, width=2, budget=8))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +65,30 @@ def test_greedy_ngram_speculation_equals_autoregressive(ngram_engine, engine_fp3
 
 @pytest.mark.slow
 def test_mixed_batch_with_and_without_speculation_and_stops(ngram_engine, engine_fp32, reference):
-    specs = [SpecParams(enabled=False), SpecParams(depth=2, width=1, budget=2), SpecParams(depth=5, width=3, budget=12),
-             None, SpecParams(depth=3, width=2, budget=4)]
+    specs = [
+        SpecParams(enabled=False),
+        SpecParams(depth=2, width=1, budget=2),
+        SpecParams(depth=5, width=3, budget=12),
+        None,
+        SpecParams(depth=3, width=2, budget=4),
+    ]
     convs = PROMPTS[: len(specs)]
     # A stop string inside the repeated list and a small max_tokens make requests end mid-run.
     stop_text = engine_fp32.tokenizer.decode(reference[4].token_ids)[12:17]
-    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW), SamplingParams(temperature=0, max_tokens=7),
-              SamplingParams(temperature=0, max_tokens=MAX_NEW), SamplingParams(temperature=0, max_tokens=MAX_NEW),
-              SamplingParams(temperature=0, max_tokens=MAX_NEW, stop=[stop_text])]
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW),
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, stop=[stop_text]),
+    ]
     reqs = [ngram_engine.add_request(c, p, spec=s) for c, p, s in zip(convs, params, specs, strict=True)]
     assert reqs[0].spec is None and reqs[3].spec == ngram_engine.config.spec
     texts = {r.request_id: "" for r in reqs}
     while ngram_engine.has_unfinished():
         for out in ngram_engine.step():
             texts[out.request_id] += out.new_text
-    for i, (conv, p, req) in enumerate(zip(convs, params, reqs, strict=True)):
+    for conv, p, req in zip(convs, params, reqs, strict=True):
         ar = engine_fp32.generate([conv], p)[0]
         assert_same_or_near_tie(engine_fp32, conv, ar.token_ids, req.output_token_ids)
         if ar.token_ids == req.output_token_ids:

@@ -1,0 +1,87 @@
+"""The draft-model drafter (SPS): any causal LM with the target's vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from tests.conftest import CHAT_PROMPTS
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A tiny random Llama over the target's 49152-token vocabulary."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-draft")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def spec_engine(draft: str, spec: SpecParams) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(dtype="float32", num_kv_blocks=256, drafter="draft-model", draft_model=draft, spec=spec)
+    )
+
+
+@pytest.mark.slow
+def test_target_as_its_own_draft_model_accepts_nearly_everything(engine_fp32, checkpoint):
+    engine = spec_engine(str(checkpoint), SpecParams(depth=3, width=2, budget=6))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS[:2], params)
+    want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = engine.stats().spec
+    assert stats.mean_accepted_tokens > 3.5  # depth 3 + bonus = 4 when every draft is right
+    assert engine.stats().kv_free_blocks == 256 and engine.drafter.kv.allocator.num_free == 256
+
+
+@pytest.mark.slow
+def test_sampled_chains_from_the_target_itself_are_accepted(checkpoint):
+    engine = spec_engine(str(checkpoint), SpecParams(depth=3, width=1, budget=3))
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+    a = engine.generate([CHAT_PROMPTS[1]], params)[0]
+    b = engine.generate([CHAT_PROMPTS[1]], params)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == MAX_NEW  # seeded: reproducible
+    # q equals p up to float noise, so block verification keeps (almost) every drafted token.
+    stats = engine.stats().spec
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+
+
+@pytest.mark.slow
+def test_tiny_random_draft_model_keeps_greedy_output(engine_fp32, tiny_draft):
+    engine = spec_engine(tiny_draft, SpecParams(depth=3, width=2, budget=5))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS, params)
+    want = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.stats().spec.num_steps > 0
+
+
+def test_draft_model_needs_the_target_vocabulary(tmp_path):
+    cfg = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        spec_engine(str(tmp_path), SpecParams())
