@@ -18,11 +18,11 @@ from engines.kv_cache import PagedKVCache
 from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, Request, RequestOutput, RequestStatus
-from engines.sampling import SamplingParams, processed_logprobs, sample
+from engines.sampling import SamplingParams, sample
 from engines.scheduler import ScheduledRequest, Scheduler
 from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
-from engines.verification import CHAIN_VERIFIERS, TorchRng, VerifyResult, verify_greedy, verify_tree
+from engines.verification import VerifyItem, VerifyResult, verify_batch
 
 log = logging.getLogger(__name__)
 
@@ -267,15 +267,18 @@ class LLMEngine:
         self.num_forwards += 1
         outputs = []
         sampling: list[tuple[Request, torch.Tensor]] = []
+        drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]] = []
         for s, logits, hidden in zip(sched.scheduled, result.logits, result.hidden, strict=True):
             req = s.request
             req.num_forwards += 1
             if s.draft is not None:
-                outputs.append(self._accept_draft(s, logits, hidden))
+                drafted.append((s, logits, hidden))
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if len(logits):
                 sampling.append((req, logits[-1]))
+        if drafted:
+            outputs.extend(self._accept_drafts(drafted))
         if sampling:
             reqs = [r for r, _ in sampling]
             tokens = sample(
@@ -303,29 +306,24 @@ class LLMEngine:
             if tree is not None and tree.num_draft > 0:
                 req.draft = tree.truncate_depth(spec.depth).prune(spec.budget + 1)
 
-    def _accept_draft(self, s: ScheduledRequest, logits: torch.Tensor, hidden: torch.Tensor) -> RequestOutput:
-        """Verify a request's tree against the target's logits at its nodes, commit the accepted path."""
-        req, tree = s.request, s.draft
-        if req.params.greedy:
-            result = verify_greedy(tree, logits.argmax(-1).tolist())
-        else:
-            probs = processed_logprobs(logits, [req.params] * tree.size).exp()
-            rng = TorchRng(req.generator)
-            if tree.draft_probs is not None:
-                result = CHAIN_VERIFIERS[self.config.chain_verifier](tree, probs, rng)
-            else:
-                result = verify_tree(tree, probs, rng)
-        base = req.num_computed_tokens
-        self.kv_cache.commit_path(req.request_id, base, result.path)
-        req.num_computed_tokens = base + len(result.path)
-        req.num_spec_steps += 1
-        req.num_draft_tokens += tree.num_draft
-        req.num_accepted_tokens += result.num_accepted
-        self.spec_stats.record(tree, result)
-        out = self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus])
-        if not req.finished:
-            self.drafter.on_verified(req, tree, result, hidden[result.path])
-        return out
+    def _accept_drafts(self, drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]]) -> list[RequestOutput]:
+        """Verify the step's trees in one batch, commit each accepted path, emit accepted + bonus tokens."""
+        items = [VerifyItem(s.draft, s.request.params, s.request.generator) for s, _, _ in drafted]
+        results = verify_batch(items, torch.cat([logits for _, logits, _ in drafted]), self.config.chain_verifier)
+        outputs = []
+        for (s, _, hidden), result in zip(drafted, results, strict=True):
+            req, tree = s.request, s.draft
+            base = req.num_computed_tokens
+            self.kv_cache.commit_path(req.request_id, base, result.path)
+            req.num_computed_tokens = base + len(result.path)
+            req.num_spec_steps += 1
+            req.num_draft_tokens += tree.num_draft
+            req.num_accepted_tokens += result.num_accepted
+            self.spec_stats.record(tree, result)
+            outputs.append(self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus]))
+            if not req.finished:
+                self.drafter.on_verified(req, tree, result, hidden[result.path])
+        return outputs
 
     def append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
         """Append generated tokens, applying stop tokens, stop strings and max_tokens; emit the delta."""

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from engines.draft_tree import DraftTree
+from engines.sampling import SamplingParams, processed_logprobs
 
 
 class Rng(Protocol):
@@ -184,3 +185,43 @@ CHAIN_VERIFIERS = {
     "block": verify_chain_block,
     "hsd-published-lossy": verify_chain_hsd_published_lossy,
 }
+
+
+@dataclass
+class VerifyItem:
+    """One request's draft and how to judge it."""
+
+    tree: DraftTree
+    params: SamplingParams
+    generator: torch.Generator
+
+
+def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block") -> list[VerifyResult]:
+    """Verify every request's draft of a step against the target's logits at all their nodes.
+
+    logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
+    work runs once for the batch (argmax for greedy rows, processed distributions for sampled rows);
+    only the walk down each tree is per request.
+    """
+    sizes = [it.tree.size for it in items]
+    offsets = [sum(sizes[:i]) for i in range(len(items))]
+    argmax = logits.argmax(-1).tolist()
+    sampled = [i for i, it in enumerate(items) if not it.params.greedy]
+    probs: dict[int, torch.Tensor] = {}
+    if sampled:
+        rows = torch.cat([torch.arange(offsets[i], offsets[i] + sizes[i]) for i in sampled])
+        row_params = [items[i].params for i in sampled for _ in range(sizes[i])]
+        all_probs = processed_logprobs(logits[rows.to(logits.device)], row_params).exp()
+        start = 0
+        for i in sampled:
+            probs[i] = all_probs[start : start + sizes[i]]
+            start += sizes[i]
+    results = []
+    for i, it in enumerate(items):
+        if it.params.greedy:
+            results.append(verify_greedy(it.tree, argmax[offsets[i] : offsets[i] + sizes[i]]))
+        elif it.tree.draft_probs is not None:
+            results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs[i], TorchRng(it.generator)))
+        else:
+            results.append(verify_tree(it.tree, probs[i], TorchRng(it.generator)))
+    return results

@@ -234,3 +234,30 @@ def test_tree_verifier_monte_carlo_with_torch_rng():
         want = world.p(())[a].item() * world.p((a,))[b].item()
         got = counts[(a, b)] / n
         assert abs(got - want) <= 5 * (want * (1 - want) / n) ** 0.5 + 1e-9, (a, b, got, want)
+
+
+def test_verify_batch_equals_per_request_verifiers():
+    from engines.sampling import SamplingParams, processed_logprobs
+    from engines.verification import VerifyItem, verify_batch
+
+    torch.manual_seed(3)
+    vocab = 11
+    trees = [
+        DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]),  # greedy tree
+        DraftTree([5, 6, 7], [-1, 0, 1]),  # sampled deterministic tree
+        DraftTree.chain(8, [9, 10], draft_probs=torch.softmax(torch.randn(3, vocab), -1)),  # sampled chain
+    ]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.2)]
+    logits = torch.randn(sum(t.size for t in trees), vocab) * 2
+    for seed in range(20):
+        items = [VerifyItem(t, p, torch.Generator().manual_seed(seed)) for t, p in zip(trees, params, strict=True)]
+        got = verify_batch(items, logits)
+        rows = logits.split([t.size for t in trees])
+        want = [
+            verify_greedy(trees[0], rows[0].argmax(-1).tolist()),
+            verify_tree(trees[1], processed_logprobs(rows[1], [params[1]] * 3).exp(),
+                        TorchRng(torch.Generator().manual_seed(seed))),
+            verify_chain_block(trees[2], processed_logprobs(rows[2], [params[2]] * 3).exp(),
+                               TorchRng(torch.Generator().manual_seed(seed))),
+        ]
+        assert got == want
