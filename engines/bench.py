@@ -156,16 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             side.wall_s += dt
             side.wave_s.append(dt)
             side.forwards += engine.num_forwards - before_forwards
-            s = engine.spec_stats
-            side.spec.num_steps += s.num_steps
-            side.spec.num_draft_tokens += s.num_draft_tokens
-            side.spec.num_accepted_tokens += s.num_accepted_tokens
-            for d, (r, a) in enumerate(zip(s.reached_depth, s.accepted_depth, strict=True)):
-                while len(side.spec.reached_depth) <= d:
-                    side.spec.reached_depth.append(0)
-                    side.spec.accepted_depth.append(0)
-                side.spec.reached_depth[d] += r
-                side.spec.accepted_depth[d] += a
+            side.spec.add(engine.spec_stats)
             for i, r in zip(wave, reqs, strict=True):
                 side.outputs[i] = list(r.output_token_ids)
         engine.spec_stats = before_spec

@@ -65,6 +65,18 @@ class SpecStats:
             if d <= result.num_accepted:
                 self.accepted_depth[d - 1] += 1
 
+    def add(self, other: SpecStats) -> None:
+        """Accumulate another set of counters into this one."""
+        self.num_steps += other.num_steps
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for d, (r, a) in enumerate(zip(other.reached_depth, other.accepted_depth, strict=True)):
+            if d == len(self.reached_depth):
+                self.reached_depth.append(0)
+                self.accepted_depth.append(0)
+            self.reached_depth[d] += r
+            self.accepted_depth[d] += a
+
     @property
     def mean_accepted_tokens(self) -> float:
         """Accepted draft tokens plus the bonus token, per verification step."""

@@ -129,3 +129,22 @@ def test_draft_tree_mask_positions_and_prune():
     with pytest.raises(ValueError):
         DraftTree([1, 2], [-1, 1])
     assert torch.equal(DraftTree.chain(5, [6, 7]).attention_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_spec_stats_count_conditional_acceptance_by_depth():
+    from engines.engine import SpecStats
+    from engines.verification import VerifyResult
+
+    chain = DraftTree.chain(1, [2, 3, 4])
+    branchy = DraftTree([1, 2, 3, 4], [-1, 0, 0, 1])  # node 2 is a leaf at depth 1
+    stats = SpecStats()
+    stats.record(chain, VerifyResult([0, 1], 9))  # accepted depth 1, rejected at depth 2
+    stats.record(chain, VerifyResult([0, 1, 2, 3], 9))  # all 3 accepted
+    stats.record(branchy, VerifyResult([0, 2], 9))  # accepted a leaf: depth 2 was never tried
+    assert stats.reached_depth == [3, 2, 1] and stats.accepted_depth == [3, 1, 1]
+    assert stats.acceptance_by_depth == [1.0, 0.5, 1.0]
+    assert stats.mean_accepted_tokens == (1 + 3 + 1 + 3) / 3
+    total = SpecStats()
+    total.add(stats)
+    total.add(stats)
+    assert total.reached_depth == [6, 4, 2] and total.num_steps == 6

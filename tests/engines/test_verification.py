@@ -255,9 +255,15 @@ def test_verify_batch_equals_per_request_verifiers():
         rows = logits.split([t.size for t in trees])
         want = [
             verify_greedy(trees[0], rows[0].argmax(-1).tolist()),
-            verify_tree(trees[1], processed_logprobs(rows[1], [params[1]] * 3).exp(),
-                        TorchRng(torch.Generator().manual_seed(seed))),
-            verify_chain_block(trees[2], processed_logprobs(rows[2], [params[2]] * 3).exp(),
-                               TorchRng(torch.Generator().manual_seed(seed))),
+            verify_tree(
+                trees[1],
+                processed_logprobs(rows[1], [params[1]] * 3).exp(),
+                TorchRng(torch.Generator().manual_seed(seed)),
+            ),
+            verify_chain_block(
+                trees[2],
+                processed_logprobs(rows[2], [params[2]] * 3).exp(),
+                TorchRng(torch.Generator().manual_seed(seed)),
+            ),
         ]
         assert got == want
