@@ -1,0 +1,261 @@
+"""Training data for hidden-state drafters: conversations rendered with the target's chat template,
+assistant-token loss masks, a deterministic train/validation split, and the target's last-layer
+hidden states written once to disk in resumable shards.
+
+Two sources: the dataset's own assistant turns (`sharegpt`), and `self`-distilled turns where the
+target answers the same first user turn (what the target actually says is what a drafter must
+predict). Target logits are not stored: they are `lm_head(hidden)`, recomputed from the frozen head.
+
+    python -m engines.training.data --source self --split train --num 2000 --out data/self-train
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import time
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engines.datasets import iter_sharegpt, sharegpt_messages
+from engines.model import LlamaModel
+from engines.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Example:
+    """One rendered conversation: token ids and which of them the drafter learns to predict."""
+
+    id: str
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens (including their end-of-turn token)
+
+
+def split_of(conversation_id: str, val_fraction: float = 0.02) -> str:
+    """'train' or 'val', fixed by the conversation id (the same on every machine and run)."""
+    bucket = zlib.crc32(conversation_id.split("_")[0].encode()) % 10_000
+    return "val" if bucket < val_fraction * 10_000 else "train"
+
+
+def render(tokenizer: Tokenizer, conv_id: str, messages: list[dict[str, str]], max_len: int) -> Example | None:
+    """Token ids of the whole conversation and a mask over its assistant turns, cut to `max_len`.
+
+    Each assistant turn's span is what the template adds between the conversation up to the turn
+    (with the generation prompt) and the conversation including it.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i]) if i else []
+        after = tokenizer.encode(tokenizer.hf.apply_chat_template(messages[: i + 1], tokenize=False))
+        if after[: len(before)] != before or len(before) < len(ids):
+            return None  # the template is not prefix-stable here; skip rather than mislabel
+        mask += [0] * (len(before) - len(ids)) + [1] * (len(after) - len(before))
+        ids = after
+    if not any(mask):
+        return None
+    return Example(conv_id, ids[:max_len], mask[:max_len])
+
+
+def sharegpt_examples(
+    tokenizer: Tokenizer, split: str, max_len: int = 1024, val_fraction: float = 0.02
+) -> Iterator[Example]:
+    """ShareGPT conversations of one split with the dataset's assistant turns."""
+    for rec in iter_sharegpt():
+        if split_of(rec["id"], val_fraction) != split:
+            continue
+        msgs = sharegpt_messages(rec)
+        if msgs and msgs[0]["role"] == "user":
+            ex = render(tokenizer, rec["id"], msgs, max_len)
+            if ex is not None:
+                yield ex
+
+
+def self_distilled_examples(
+    engine,
+    split: str,
+    num: int,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    max_prompt_chars: int = 2000,
+    val_fraction: float = 0.02,
+) -> Iterator[Example]:
+    """The target's own answers to the first user turn of ShareGPT conversations of one split."""
+    from engines.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=0 if temperature else None)
+    pending: list[tuple[str, list[dict[str, str]]]] = []
+    made = 0
+
+    def flush() -> Iterator[Example]:
+        outs = engine.generate([m for _, m in pending], params)
+        for (cid, msgs), out in zip(pending, outs, strict=True):
+            ex = render(engine.tokenizer, cid, [*msgs, {"role": "assistant", "content": out.text}], 10**9)
+            if ex is not None:
+                yield ex
+        pending.clear()
+
+    for rec in iter_sharegpt():
+        if made >= num:
+            break
+        msgs = sharegpt_messages(rec)
+        if split_of(rec["id"], val_fraction) != split or not msgs or msgs[0]["role"] != "user":
+            continue
+        if not 0 < len(msgs[0]["content"]) <= max_prompt_chars:
+            continue
+        pending.append((rec["id"], msgs[:1]))
+        made += 1
+        if len(pending) == batch_size:
+            yield from flush()
+    if pending:
+        yield from flush()
+
+
+@torch.inference_mode()
+def target_hidden_states(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
+    """[len, hidden] last-layer (post-norm) hidden states of one sequence, from a fresh cache."""
+    from engines.attention import SequenceLayout, build_attention_metadata
+    from engines.kv_cache import PagedKVCache
+
+    cfg, n, block = model.cfg, len(token_ids), 16
+    device = model.embed_tokens.weight.device
+    kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, model.dtype, device)
+    kv.allocate("x", n)
+    meta = build_attention_metadata([SequenceLayout(kv.slots("x", 0, n), 0, n)], device)
+    _, hidden = model(
+        torch.tensor(token_ids, device=device),
+        torch.arange(n, device=device),
+        meta,
+        kv,
+        torch.zeros(0, dtype=torch.long, device=device),
+    )
+    return hidden
+
+
+class ShardWriter:
+    """Writes examples with their hidden states to `shard-NNNNN.safetensors` files plus `index.json`.
+
+    Each shard holds the concatenated `input_ids`, `loss_mask` and `hidden` of whole examples and
+    `offsets` (example boundaries). `index.json` records finished shards and the ids they hold, so an
+    interrupted run resumes after its last finished shard.
+    """
+
+    def __init__(self, out_dir: str | Path, shard_tokens: int = 65_536):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shard_tokens = shard_tokens
+        self.index_path = self.dir / "index.json"
+        self.index: dict[str, Any] = (
+            json.loads(self.index_path.read_text())
+            if self.index_path.exists()
+            else {"shards": [], "num_examples": 0, "num_tokens": 0}
+        )
+        self.done_ids = {i for s in self.index["shards"] for i in s["ids"]}
+        self._buf: list[tuple[Example, torch.Tensor]] = []
+
+    def add(self, ex: Example, hidden: torch.Tensor) -> None:
+        """Buffer one example; a shard is written once the buffer reaches `shard_tokens` tokens."""
+        self._buf.append((ex, hidden.to(torch.bfloat16).cpu()))
+        if sum(len(e.token_ids) for e, _ in self._buf) >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered examples as one shard and record it in the index."""
+        if not self._buf:
+            return
+        name = f"shard-{len(self.index['shards']):05d}.safetensors"
+        lengths = [len(e.token_ids) for e, _ in self._buf]
+        tensors = {
+            "input_ids": torch.tensor([t for e, _ in self._buf for t in e.token_ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for e, _ in self._buf for m in e.loss_mask], dtype=torch.uint8),
+            "hidden": torch.cat([h for _, h in self._buf]),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+        }
+        save_file(tensors, self.dir / name)
+        ids = [e.id for e, _ in self._buf]
+        self.index["shards"].append({"file": name, "ids": ids, "tokens": sum(lengths)})
+        self.index["num_examples"] += len(ids)
+        self.index["num_tokens"] += sum(lengths)
+        tmp = self.index_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.index))
+        tmp.replace(self.index_path)  # the index never points at a half-written shard
+        self.done_ids.update(ids)
+        self._buf.clear()
+
+
+def write_features(
+    model: LlamaModel, examples: Iterable[Example], out_dir: str | Path, num: int, shard_tokens: int = 65_536
+) -> dict[str, Any]:
+    """Compute and store hidden states for up to `num` examples, skipping those already written."""
+    writer = ShardWriter(out_dir, shard_tokens)
+    start, count = time.monotonic(), writer.index["num_examples"]
+    for ex in examples:
+        if count >= num:
+            break
+        if ex.id in writer.done_ids:
+            continue
+        writer.add(ex, target_hidden_states(model, ex.token_ids))
+        count += 1
+        if count % 50 == 0:
+            log.info("%d/%d examples, %.0f s", count, num, time.monotonic() - start)
+    writer.flush()
+    return writer.index
+
+
+def load_shard(path: str | Path) -> list[dict[str, torch.Tensor]]:
+    """The examples of one shard: per example `input_ids`, `loss_mask` and `hidden`."""
+    t = load_file(str(path))
+    off = t["offsets"].tolist()
+    return [{k: t[k][a:b] for k in ("input_ids", "loss_mask", "hidden")} for a, b in itertools.pairwise(off)]
+
+
+def hot_token_counts(out_dir: str | Path) -> Counter:
+    """How often each token appears in the assistant (target-generated) positions of a feature set."""
+    counts: Counter = Counter()
+    index = json.loads((Path(out_dir) / "index.json").read_text())
+    for shard in index["shards"]:
+        t = load_file(str(Path(out_dir) / shard["file"]))
+        counts.update(t["input_ids"][t["loss_mask"].bool()].tolist())
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Prepare one split of drafter training data (resumable)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", choices=["sharegpt", "self"], default="self")
+    ap.add_argument("--split", choices=["train", "val"], default="train")
+    ap.add_argument("--num", type=int, default=2000, help="conversations to prepare")
+    ap.add_argument("--max-len", type=int, default=1024, help="tokens per conversation at most (sharegpt)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length (self)")
+    ap.add_argument("--batch-size", type=int, default=16, help="generation batch (self)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    from engines.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size))
+    if args.source == "sharegpt":
+        examples: Iterable[Example] = sharegpt_examples(engine.tokenizer, args.split, args.max_len)
+    else:
+        examples = self_distilled_examples(engine, args.split, args.num, args.max_new_tokens, args.batch_size)
+    index = write_features(engine.model, examples, args.out, args.num)
+    print(json.dumps({k: index[k] for k in ("num_examples", "num_tokens")} | {"shards": len(index["shards"])}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Drafter training data: rendering, split, shards with resume, self-distillation, hot tokens."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engines.datasets import iter_sharegpt
+from engines.sampling import SamplingParams
+from engines.training.data import (
+    Example,
+    hot_token_counts,
+    load_shard,
+    render,
+    self_distilled_examples,
+    sharegpt_examples,
+    split_of,
+    target_hidden_states,
+    write_features,
+)
+
+CONV = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+    {"role": "assistant", "content": "Green, like grass."},
+]
+
+
+def test_split_is_deterministic_and_small_for_validation():
+    ids = [rec["id"] for _, rec in zip(range(3000), iter_sharegpt(), strict=False)]
+    splits = [split_of(i) for i in ids]
+    assert splits == [split_of(i) for i in ids]
+    assert 0.005 < splits.count("val") / len(ids) < 0.05
+    # Turns of one conversation (id suffixes _0, _1, ...) never straddle the split.
+    assert split_of("abc_0") == split_of("abc_7")
+
+
+def test_render_masks_exactly_the_assistant_turns(engine_fp32):
+    tok = engine_fp32.tokenizer
+    ex = render(tok, "c", CONV, max_len=10_000)
+    assert ex.token_ids == tok.encode(tok.hf.apply_chat_template(CONV, tokenize=False))
+    spans, cur = [], []
+    for t, m in zip(ex.token_ids, ex.loss_mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    assert [tok.decode(s).strip() for s in spans] == ["Blue.", "Green, like grass."]
+    cut = render(tok, "c", CONV, max_len=20)
+    assert len(cut.token_ids) == len(cut.loss_mask) == 20
+
+
+def test_sharegpt_examples_come_from_one_split(engine_fp32):
+    exs = [ex for _, ex in zip(range(5), sharegpt_examples(engine_fp32.tokenizer, "val", max_len=256), strict=False)]
+    assert len(exs) == 5 and all(split_of(ex.id) == "val" for ex in exs)
+    assert all(len(ex.token_ids) <= 256 and any(ex.loss_mask) for ex in exs)
+
+
+def test_shards_hold_target_hidden_states_and_resume(engine_fp32, tmp_path):
+    tok = engine_fp32.tokenizer
+    exs = [render(tok, f"ex{i}", [{"role": "user", "content": f"Question {i}?"},
+                                  {"role": "assistant", "content": "Answer " * (i + 1)}], 10_000) for i in range(4)]
+    index = write_features(engine_fp32.model, exs[:3], tmp_path, num=3, shard_tokens=60)
+    assert index["num_examples"] == 3 and len(index["shards"]) >= 2
+    # Resume: the first three are skipped, only the fourth is computed.
+    calls = []
+
+    def counting(examples):
+        for ex in examples:
+            calls.append(ex.id)
+            yield ex
+
+    index = write_features(engine_fp32.model, counting(exs), tmp_path, num=4, shard_tokens=60)
+    assert index["num_examples"] == 4 and calls == ["ex0", "ex1", "ex2", "ex3"]
+    stored = [e for s in index["shards"] for e in load_shard(tmp_path / s["file"])]
+    assert len(stored) == 4
+    for ex, rec in zip(exs, stored, strict=True):
+        assert rec["input_ids"].tolist() == ex.token_ids and rec["loss_mask"].tolist() == ex.loss_mask
+        want = target_hidden_states(engine_fp32.model, ex.token_ids).to(torch.bfloat16)
+        assert rec["hidden"].dtype == torch.bfloat16 and torch.equal(rec["hidden"], want)
+    counts = hot_token_counts(tmp_path)
+    assert sum(counts.values()) == sum(sum(ex.loss_mask) for ex in exs)
+    assert json.loads((tmp_path / "index.json").read_text())["num_tokens"] == sum(len(e.token_ids) for e in exs)
+
+
+def test_self_distilled_examples_hold_the_targets_own_answers(engine_fp32):
+    exs = list(self_distilled_examples(engine_fp32, "val", num=2, max_new_tokens=8, batch_size=2))
+    assert len(exs) == 2 and all(isinstance(e, Example) for e in exs)
+    for ex in exs:
+        prompt_len = ex.loss_mask.index(1)
+        answer = engine_fp32.generate([ex.token_ids[:prompt_len]], SamplingParams(temperature=0, max_tokens=8))[0]
+        assert engine_fp32.tokenizer.decode(ex.token_ids[prompt_len:]).startswith(answer.text.strip()[:10])
