@@ -63,8 +63,15 @@ def test_sharegpt_examples_come_from_one_split(engine_fp32):
 
 def test_shards_hold_target_hidden_states_and_resume(engine_fp32, tmp_path):
     tok = engine_fp32.tokenizer
-    exs = [render(tok, f"ex{i}", [{"role": "user", "content": f"Question {i}?"},
-                                  {"role": "assistant", "content": "Answer " * (i + 1)}], 10_000) for i in range(4)]
+    exs = [
+        render(
+            tok,
+            f"ex{i}",
+            [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": "Answer " * (i + 1)}],
+            10_000,
+        )
+        for i in range(4)
+    ]
     index = write_features(engine_fp32.model, exs[:3], tmp_path, num=3, shard_tokens=60)
     assert index["num_examples"] == 3 and len(index["shards"]) >= 2
     # Resume: the first three are skipped, only the fourth is computed.

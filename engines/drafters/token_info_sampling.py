@@ -1,0 +1,61 @@
+"""Lyanna's token-info injected tree sampling (paper Algorithm 1) and re-sampling (Algorithm 2).
+
+The drafter computes its hidden-state trajectory h_1..h_N once, independent of the sampled tokens,
+and one LM-head GEMM turns it into per-depth logits l_1..l_N. Token information enters only here:
+a node with token t sees depth i's logits as softmax(l_i + r(t)), where r(t) = RMSNorm(E'(t)) is a
+table lookup. Every frontier node contributes its top-k children to the tree; only the k children
+with the highest joint probability become the next frontier, so the tree grows by k^2 nodes per
+depth rather than exponentially. Re-sampling reuses the logits of the depths past a rejection with
+the bonus token's information, building a new tree without another drafter forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engines.draft_tree import DraftTree
+
+TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
+
+
+def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int) -> DraftTree:
+    """Algorithm 1's BuildSubtree over logits [steps, vocab]; node scores are joint probabilities.
+
+    Nodes are listed depth by depth, and within a depth by parent then by rank, so parents always
+    come before their children.
+    """
+    tokens, parents, scores = [root], [-1], [1.0]
+    frontier = torch.tensor([0])  # node indices
+    for step in range(logits.shape[0]):
+        frontier_tokens = torch.tensor([tokens[i] for i in frontier.tolist()])
+        probs = torch.softmax(logits[step].float().unsqueeze(0) + token_info(frontier_tokens).float(), dim=-1)
+        top_p, top_tok = probs.topk(k, dim=-1)  # [F, k]
+        parent_joint = torch.tensor([scores[i] for i in frontier.tolist()]).unsqueeze(1)
+        joint = (parent_joint * top_p).flatten()  # [F * k]
+        first_new = len(tokens)
+        for f, node in enumerate(frontier.tolist()):
+            for j in range(k):
+                tokens.append(int(top_tok[f, j]))
+                parents.append(node)
+                scores.append(float(joint[f * k + j]))
+        # The next frontier: the k candidates with the highest joint probability (ties: first listed).
+        keep = sorted(range(joint.numel()), key=lambda c: (-float(joint[c]), c))[:k]
+        frontier = torch.tensor(sorted(first_new + c for c in keep))
+    return DraftTree(tokens, parents, scores)
+
+
+def token_info_tree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int, budget: int) -> DraftTree:
+    """Algorithm 1: the full tree from the last verified token, pruned to `budget` draft tokens."""
+    return build_subtree(logits, root, token_info, k).prune(budget + 1)
+
+
+def resample_tree(
+    remaining_logits: torch.Tensor, bonus: int, token_info: TokenInfo, k: int, threshold: int
+) -> DraftTree:
+    """Algorithm 2: after a rejection, a tree rooted at the bonus token from the logits of the depths
+    past the rejection (no drafter forward); just the root when `threshold` or fewer steps remain."""
+    if remaining_logits.shape[0] > threshold:
+        return build_subtree(remaining_logits, bonus, token_info, k)
+    return DraftTree([bonus], [-1], [1.0])

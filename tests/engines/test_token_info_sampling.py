@@ -1,0 +1,90 @@
+"""Lyanna's Algorithm 1 and 2 on hand-made examples modelled on the paper's Figure 6."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engines.drafters.token_info_sampling import build_subtree, resample_tree, token_info_tree
+
+# A toy vocabulary in the spirit of Figure 6.
+VOCAB = ["model", "training", "inference", "server", "speed", "optimization", "quantization", "accuracy", "method"]
+T = {w: i for i, w in enumerate(VOCAB)}
+V = len(VOCAB)
+
+
+def logits_for(probs: dict[str, float]) -> torch.Tensor:
+    """Logits whose softmax puts the given mass on the named tokens and spreads the rest."""
+    rest = (1.0 - sum(probs.values())) / (V - len(probs))
+    return torch.tensor([math.log(probs.get(w, rest)) for w in VOCAB])
+
+
+def table_info(rows: dict[str, dict[str, float]]) -> callable:
+    """Token info as a lookup table: row t shifts the logits towards the continuation of t."""
+    table = torch.zeros(V, V)
+    for w, probs in rows.items():
+        table[T[w]] = logits_for(probs)
+    return lambda toks: table[toks]
+
+
+def test_algorithm_1_builds_the_figure_6_tree():
+    # Depth 1: from "model", token info puts training at 0.6 and inference at 0.3 (Figure 6b).
+    # Depth 2: training -> server 0.7 (joint 0.42) / speed 0.25 (0.15); inference -> optimization 0.3
+    # (0.09) / accuracy 0.25 (0.075). As in the paper, server and speed have the highest joint
+    # probabilities, so only they expand at depth 3.
+    info = table_info(
+        {
+            "model": {"training": 0.6, "inference": 0.3},
+            "training": {"server": 0.7, "speed": 0.25},
+            "inference": {"optimization": 0.3, "accuracy": 0.25},
+            "server": {"quantization": 0.7, "method": 0.2},
+            "speed": {"quantization": 0.6, "server": 0.3},
+        }
+    )
+    logits = torch.zeros(3, V)  # raw per-depth logits carry no preference: token info decides
+    tree = build_subtree(logits, T["model"], info, k=2)
+    words = [VOCAB[t] for t in tree.tokens]
+    assert words == [
+        "model",
+        "training",
+        "inference",
+        "server",
+        "speed",
+        "optimization",
+        "accuracy",
+        "quantization",
+        "method",
+        "quantization",
+        "server",
+    ]
+    assert tree.parents == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    want = [1.0, 0.6, 0.3, 0.42, 0.15, 0.09, 0.075, 0.294, 0.084, 0.09, 0.045]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(tree.scores, want, strict=True)), tree.scores
+    assert tree.depths == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]  # k + (N - 1) k^2 draft nodes
+
+
+def test_pruning_to_the_budget_keeps_the_most_probable_nodes():
+    info = table_info({"model": {"training": 0.6, "inference": 0.3}, "training": {"server": 0.7, "speed": 0.2}})
+    tree = token_info_tree(torch.zeros(2, V), T["model"], info, k=2, budget=3)
+    assert [VOCAB[t] for t in tree.tokens] == ["model", "training", "inference", "server"]
+    assert tree.parents == [-1, 0, 0, 1]
+
+
+def test_without_token_info_every_branch_sees_the_same_logits():
+    logits = torch.stack([logits_for({"training": 0.6, "inference": 0.3}), logits_for({"server": 0.5, "speed": 0.4})])
+    tree = build_subtree(logits, T["model"], lambda toks: torch.zeros(len(toks), V), k=2)
+    # Both depth-1 nodes get the same children: the token-agnostic trees the paper improves on.
+    children = {VOCAB[tree.tokens[p]]: [VOCAB[tree.tokens[i]] for i in tree.children(p)] for p in (1, 2)}
+    assert children == {"training": ["server", "speed"], "inference": ["server", "speed"]}
+
+
+def test_resampling_roots_a_new_tree_at_the_bonus_token():
+    info = table_info({"quantization": {"accuracy": 0.6, "method": 0.3}, "accuracy": {"server": 0.9}})
+    remaining = torch.zeros(2, V)  # logits of depths 2 and 3, reused after a rejection at depth 1
+    tree = resample_tree(remaining, T["quantization"], info, k=2, threshold=1)
+    assert VOCAB[tree.tokens[0]] == "quantization"
+    assert [VOCAB[tree.tokens[i]] for i in tree.children(0)] == ["accuracy", "method"]
+    assert tree.depth == 2 and abs(tree.scores[1] - 0.6) < 1e-5
+    # With too few steps left the new tree is just its root.
+    assert resample_tree(remaining, T["quantization"], info, k=2, threshold=2).size == 1
