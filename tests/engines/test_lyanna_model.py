@@ -1,0 +1,66 @@
+"""Lyanna's draft model: the parallel training unroll computes what inference drafting computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.config import ModelConfig
+from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+
+TARGET = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=30,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
+
+
+def make(**switches) -> LyannaDraftModel:
+    torch.manual_seed(0)
+    emb = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    return LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8, **switches), emb, emb)
+
+
+@pytest.mark.parametrize("switches", [{}, {"use_fusion": False}])
+def test_training_unroll_equals_inference_chain_for_every_anchor(switches):
+    model = make(**switches)
+    torch.manual_seed(1)
+    n, steps = 12, 4
+    hidden = torch.randn(n, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (n,))
+    with torch.no_grad():
+        preds = model.unroll(hidden, tokens, steps)
+    assert [p.shape for p in preds] == [(n - 1, TARGET.hidden_size)] * steps
+    for p in range(1, n):  # a context of p target states; anchor j = p - 1
+        chain = model.draft_chain(hidden[:p], tokens[: p + 1], steps)
+        for s in range(steps):
+            torch.testing.assert_close(preds[s][p - 1], chain[s], rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_reach_trainable_parts_only():
+    model = make()
+    hidden = torch.randn(6, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (6,))
+    preds = model.unroll(hidden, tokens, 3)
+    logits = model.logits(preds[-1]) + model.token_info(tokens[:5])  # token info of each step's parent
+    (sum(p.pow(2).mean() for p in preds) + logits.logsumexp(-1).mean()).backward()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0} == trainable
+    assert "fuse.weight" in trainable and "token_info.w1" in trainable
+    assert not model.embed.requires_grad and not model.lm_head.requires_grad
+
+
+def test_fusion_switch_decides_whether_the_bonus_token_enters():
+    hidden = torch.randn(5, TARGET.hidden_size)
+    a, b = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([1, 2, 3, 4, 5, 7])  # differ only in the bonus
+    fused, plain = make(), make(use_fusion=False)
+    assert not torch.allclose(fused.draft_chain(hidden, a, 2), fused.draft_chain(hidden, b, 2))
+    torch.testing.assert_close(plain.draft_chain(hidden, a, 2), plain.draft_chain(hidden, b, 2))
+    assert make(use_token_info=False).token_info is None
