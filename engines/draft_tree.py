@@ -106,24 +106,20 @@ class DraftTree:
                 break
             if self.parents[i] in keep:
                 keep.add(i)
-        kept = sorted(keep)
+        return self._select(sorted(keep))
+
+    def truncate_depth(self, max_depth: int) -> DraftTree:
+        """Drop nodes deeper than `max_depth` draft tokens."""
+        if self.depth <= max_depth:
+            return self
+        return self._select([i for i in range(self.size) if self.depths[i] <= max_depth])
+
+    def _select(self, kept: list[int]) -> DraftTree:
+        """The subtree of the given nodes (ascending, closed under ancestors), renumbered."""
         index = {old: new for new, old in enumerate(kept)}
         return DraftTree(
             tokens=[self.tokens[i] for i in kept],
             parents=[index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept],
             scores=None if self.scores is None else [self.scores[i] for i in kept],
             draft_probs=None if self.draft_probs is None else self.draft_probs[kept],
-        )
-
-    def truncate_depth(self, max_depth: int) -> DraftTree:
-        """Drop nodes deeper than `max_depth` draft tokens."""
-        if self.depth <= max_depth:
-            return self
-        keep = [i for i in range(self.size) if self.depths[i] <= max_depth]
-        index = {old: new for new, old in enumerate(keep)}
-        return DraftTree(
-            tokens=[self.tokens[i] for i in keep],
-            parents=[index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
-            scores=None if self.scores is None else [self.scores[i] for i in keep],
-            draft_probs=None if self.draft_probs is None else self.draft_probs[keep],
         )
