@@ -101,8 +101,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max positions, capped by the KV cache
-    drafter: str = "none"  # "none", "ngram" or "draft-model"
-    draft_model: str | None = None  # checkpoint of the draft model for drafter="draft-model"
+    drafter: str = "none"  # "none", "ngram", "draft-model" or "lyanna"
+    draft_model: str | None = None  # checkpoint for drafter="draft-model" (a causal LM) or "lyanna"
     spec: SpecParams = field(default_factory=SpecParams)  # default speculation per request
     chain_verifier: str = "block"  # stochastic chains at temperature > 0: "block" or "rejection"
 
@@ -286,6 +286,8 @@ class LLMEngine:
             if s.draft is not None:
                 drafted.append((s, logits, hidden))
                 continue
+            if req.spec is not None and self.drafter is not None and self.drafter.wants_hidden:
+                self.drafter.on_prefill(req, req.num_computed_tokens, hidden)
             req.num_computed_tokens += s.num_new_tokens
             if len(logits):
                 sampling.append((req, logits[-1]))
@@ -450,7 +452,15 @@ def _draft_model(config: EngineConfig, engine: LLMEngine) -> Drafter:
     return DraftModelDrafter(config.draft_model, engine)
 
 
-DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model}
+def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.lyanna import LyannaDrafter, load_lyanna
+
+    if config.draft_model is None:
+        raise ValueError("drafter 'lyanna' needs draft_model (a trained Lyanna checkpoint folder)")
+    return LyannaDrafter(load_lyanna(config.draft_model, engine))
+
+
+DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model, "lyanna": _lyanna}
 
 
 def make_drafter(config: EngineConfig, engine: LLMEngine) -> Drafter | None:

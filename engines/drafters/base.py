@@ -20,6 +20,7 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    wants_hidden: bool = False  # whether the engine should call `on_prefill` with target hidden states
 
     @abstractmethod
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
@@ -30,6 +31,12 @@ class Drafter(ABC):
     ) -> None:
         """The accepted path of `tree`, its bonus token, and the target's hidden states on the path
         ([len(path), hidden]). Called after the tokens were appended to the request."""
+
+    def on_prefill(  # noqa: B027 - optional hook for drafters that read the target's hidden states
+        self, request: Request, start: int, hidden: torch.Tensor
+    ) -> None:
+        """Target hidden states of positions start.. of a non-draft forward (prefill chunk or plain
+        decode step), [n, hidden]. Called only when `wants_hidden` is set."""
 
     def on_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
         """The request ended (finished, aborted or preempted); drop per-request state."""

@@ -20,8 +20,11 @@ from engines.draft_tree import DraftTree
 TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
 
 
-def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int) -> DraftTree:
+def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int) -> DraftTree:
     """Algorithm 1's BuildSubtree over logits [steps, vocab]; node scores are joint probabilities.
+
+    `token_info` None samples without token information (the paper's ablation): every frontier
+    node then sees the same logits.
 
     Nodes are listed depth by depth, and within a depth by parent then by rank, so parents always
     come before their children.
@@ -30,7 +33,8 @@ def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int
     frontier = torch.tensor([0])  # node indices
     for step in range(logits.shape[0]):
         frontier_tokens = torch.tensor([tokens[i] for i in frontier.tolist()])
-        probs = torch.softmax(logits[step].float().unsqueeze(0) + token_info(frontier_tokens).float(), dim=-1)
+        raw = logits[step].float().unsqueeze(0).expand(len(frontier_tokens), -1)
+        probs = torch.softmax(raw if token_info is None else raw + token_info(frontier_tokens).float(), dim=-1)
         top_p, top_tok = probs.topk(k, dim=-1)  # [F, k]
         parent_joint = torch.tensor([scores[i] for i in frontier.tolist()]).unsqueeze(1)
         joint = (parent_joint * top_p).flatten()  # [F * k]
@@ -46,7 +50,7 @@ def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int
     return DraftTree(tokens, parents, scores)
 
 
-def token_info_tree(logits: torch.Tensor, root: int, token_info: TokenInfo, k: int, budget: int) -> DraftTree:
+def token_info_tree(logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int, budget: int) -> DraftTree:
     """Algorithm 1: the full tree from the last verified token, pruned to `budget` draft tokens."""
     return build_subtree(logits, root, token_info, k).prune(budget + 1)
 

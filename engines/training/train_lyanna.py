@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from engines.drafters.lyanna import save_lyanna
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.training.data import load_shard
 
@@ -116,13 +117,9 @@ def evaluate(model: LyannaDraftModel, data_dir: str | Path, cfg: TrainConfig, li
 def save_checkpoint(
     model: LyannaDraftModel, opt: torch.optim.Optimizer, out: Path, step: int, cfg: TrainConfig, extra: dict
 ) -> None:
-    """Trainable weights as safetensors, optimizer state and progress beside them."""
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, out / "model.safetensors")
+    """A loadable drafter folder (weights + config) with optimizer state and progress beside it."""
+    save_lyanna(model, out, {"train": asdict(cfg)} | extra)
     torch.save({"optimizer": opt.state_dict(), "step": step}, out / "train_state.pt")
-    config = {"train": asdict(cfg), "draft": {k: v for k, v in asdict(model.cfg).items() if k != "target"}} | extra
-    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def train(

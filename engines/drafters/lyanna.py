@@ -1,0 +1,150 @@
+"""The Lyanna drafter in the engine: hidden-state auto-regression plus token-info tree sampling.
+
+Per request it keeps the target's hidden states H_j for the committed context (from prefill chunks,
+plain decode steps and verified paths) and its decoder layer's K/V over the teacher-forced inputs
+fuse(H_j, E(t_{j+1})). With tokens t_0..t_{T-1} (t_{T-1}: the root, not yet verified), the context
+runs through position T-2, whose output is the first draft state h_1; steps 2..N extend a temporary
+K/V. One LM-head GEMM gives l_1..l_N and Algorithm 1 builds the tree (token_info_sampling.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engines.draft_tree import DraftTree
+from engines.drafters.base import Drafter
+from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.drafters.token_info_sampling import token_info_tree
+from engines.request import Request
+from engines.spec_params import SpecParams
+from engines.verification import VerifyResult
+
+
+def save_lyanna(model: LyannaDraftModel, folder: str | Path, extra: dict | None = None) -> None:
+    """Write the drafter's trainable weights (safetensors) and its switches (config.json)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    draft = {k: v for k, v in asdict(model.cfg).items() if k != "target"}
+    (folder / "config.json").write_text(json.dumps({"draft": draft} | (extra or {}), indent=2))
+
+
+def load_lyanna(checkpoint: str | Path, engine) -> LyannaDraftModel:
+    """A trained drafter folder (model.safetensors + config.json) on top of the engine's target."""
+    folder = Path(checkpoint)
+    draft = json.loads((folder / "config.json").read_text()).get("draft", {})
+    cfg = LyannaConfig(engine.model_config, **draft)
+    target = engine.model
+    model = LyannaDraftModel(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    return model.to(target.embed_tokens.weight.device).eval().requires_grad_(False)
+
+
+@dataclass
+class _State:
+    hidden: list[torch.Tensor] = field(default_factory=list)  # H_0.. of the committed context, [hidden] each
+    keys: torch.Tensor | None = None  # [processed, heads, head_dim] draft-layer K over the context
+    values: torch.Tensor | None = None
+
+    @property
+    def processed(self) -> int:
+        """Context positions whose draft-layer K/V are cached."""
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    last_out: torch.Tensor | None = None  # the layer's output at the last processed position
+
+
+class LyannaDrafter(Drafter):
+    """Drafts with a trained `LyannaDraftModel`; token info comes from a collapsed hot-token table
+    when one is given, else from the model's low-rank embedding."""
+
+    name = "lyanna"
+    wants_hidden = True
+
+    def __init__(self, model: LyannaDraftModel, token_info_table=None):
+        self.model = model
+        self.token_info = token_info_table or model.token_info
+        self.states: dict[str, _State] = {}
+
+    # ---- hidden states from the target -----------------------------------------------------------
+    def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        st = self.states.setdefault(request.request_id, _State())
+        if start < len(st.hidden):  # recomputation after preemption: drop what follows
+            del st.hidden[start:]
+            if st.processed > start:
+                st.keys, st.values = st.keys[:start], st.values[:start]
+            st.last_out = None
+        st.hidden.extend(hidden.to(self.model.embed.dtype).unbind(0))
+
+    def on_prefill(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        self._record(request, start, hidden)
+
+    def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
+        self._record(request, request.num_computed_tokens - len(result.path), hidden)
+
+    def on_finished(self, request: Request) -> None:
+        self.states.pop(request.request_id, None)
+
+    # ---- drafting -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _advance_context(self, req: Request, st: _State) -> None:
+        """Run the layer over context positions not yet processed, through position T-2."""
+        m = self.model
+        start, end = st.processed, min(len(st.hidden), req.num_tokens - 1)
+        if start >= end:
+            return
+        hidden = torch.stack(st.hidden[start:end])
+        next_tokens = torch.tensor(req.token_ids(start + 1, end + 1), device=hidden.device)
+        x = m.fused_input(hidden, next_tokens)
+        q, k, v = m._qkv(x, torch.arange(start, end, device=hidden.device))
+        k, v = m._expand_kv(k), m._expand_kv(v)
+        keys = k if st.keys is None else torch.cat([st.keys, k])
+        values = v if st.values is None else torch.cat([st.values, v])
+        n = end - start
+        mask = torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
+        )
+        st.last_out = m._finish(x, out.transpose(0, 1))[-1:]
+        st.keys, st.values = keys, values
+
+    @torch.no_grad()
+    def trajectory(self, req: Request, steps: int) -> torch.Tensor | None:
+        """h_1..h_steps for the request's current root ([steps, hidden]), or None without context."""
+        st = self.states.get(req.request_id)
+        if st is None or len(st.hidden) < req.num_tokens - 1:
+            return None  # the target has not produced the states this draft needs
+        self._advance_context(req, st)
+        if st.last_out is None:
+            return None
+        m = self.model
+        keys, values = st.keys, st.values
+        h = st.last_out
+        traj = [h]
+        pos = req.num_tokens - 2
+        for i in range(1, steps):
+            q, k, v = m._qkv(h, torch.tensor([pos + i], device=h.device))
+            keys, values = torch.cat([keys, m._expand_kv(k)]), torch.cat([values, m._expand_kv(v)])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+            )
+            h = m._finish(h, out.transpose(0, 1))
+            traj.append(h)
+        return torch.cat(traj)
+
+    def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
+        trees: list[DraftTree | None] = []
+        for req, spec in zip(requests, specs, strict=True):
+            traj = self.trajectory(req, spec.depth)
+            if traj is None:
+                trees.append(None)
+                continue
+            logits = self.model.logits(traj)  # one GEMM for every step
+            root = req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
+            trees.append(token_info_tree(logits, root, self.token_info, spec.width, spec.budget))
+        return trees

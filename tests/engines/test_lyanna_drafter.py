@@ -1,0 +1,80 @@
+"""The Lyanna drafter inside the engine (random weights: this checks plumbing and losslessness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.drafters.lyanna import save_lyanna
+from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from engines.training.data import target_hidden_states
+from tests.conftest import CHAT_PROMPTS
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def lyanna_checkpoint(engine_fp32, tmp_path_factory):
+    torch.manual_seed(0)
+    t = engine_fp32.model
+    model = LyannaDraftModel(
+        LyannaConfig(engine_fp32.model_config, token_info_rank=8), t.embed_tokens.weight.data, t.lm_head_weight.data
+    )
+    folder = tmp_path_factory.mktemp("lyanna")
+    save_lyanna(model, folder)
+    return str(folder)
+
+
+def lyanna_engine(checkpoint, **overrides) -> LLMEngine:
+    cfg = {
+        "dtype": "float32",
+        "num_kv_blocks": 256,
+        "drafter": "lyanna",
+        "draft_model": checkpoint,
+        "spec": SpecParams(depth=3, width=2, budget=6),
+    } | overrides
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def test_incremental_trajectory_equals_full_recomputation(lyanna_checkpoint):
+    engine = lyanna_engine(lyanna_checkpoint)
+    req = engine.add_request(CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+        if req.finished:
+            break
+        traj = engine.drafter.trajectory(req, 3)
+        tokens = req.token_ids(0, req.num_tokens)
+        hidden = target_hidden_states(engine.model, tokens[:-1])  # H_0..H_{T-2}, one fresh forward
+        want = engine.drafter.model.draft_chain(hidden, torch.tensor(tokens), 3)
+        torch.testing.assert_close(traj, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_greedy_lyanna_speculation_equals_autoregressive(lyanna_checkpoint, engine_fp32):
+    engine = lyanna_engine(lyanna_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS, params)
+    want = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.stats().spec.num_steps > 0 and engine.stats().kv_free_blocks == 256
+
+
+@pytest.mark.slow
+def test_preemption_recomputes_drafter_state(lyanna_checkpoint, engine_fp32):
+    engine = lyanna_engine(lyanna_checkpoint, num_kv_blocks=9)  # forces preemption and recompute
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = engine.generate(CHAT_PROMPTS, params)
+    want = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_seeded_sampling_with_lyanna_reproduces(lyanna_checkpoint):
+    engine = lyanna_engine(lyanna_checkpoint)
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=16, ignore_eos=True)
+    a = engine.generate([CHAT_PROMPTS[1]], params)[0].token_ids
+    b = engine.generate([CHAT_PROMPTS[1]], params)[0].token_ids
+    assert a == b and len(a) == 16
