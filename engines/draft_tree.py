@@ -123,3 +123,29 @@ class DraftTree:
             scores=None if self.scores is None else [self.scores[i] for i in kept],
             draft_probs=None if self.draft_probs is None else self.draft_probs[kept],
         )
+
+
+def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
+    """The union of two trees with the same root token (verification fusion): paths are merged
+    token by token, a node shared by both keeps the higher score. `a`'s nodes come first."""
+    if a.tokens[0] != b.tokens[0]:
+        raise ValueError("only trees with the same root can be merged")
+    if a.draft_probs is not None or b.draft_probs is not None:
+        raise ValueError("stochastic drafts cannot be merged")
+    tokens, parents, scores = list(a.tokens), list(a.parents), list(a.scores or [1.0] * a.size)
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+    b_scores = b.scores or [1.0] * b.size
+    where = {0: 0}  # node of b -> node of the union
+    for i in range(1, b.size):
+        parent = where[b.parents[i]]
+        key = (parent, b.tokens[i])
+        if key in child_of:
+            node = child_of[key]
+            scores[node] = max(scores[node], b_scores[i])
+        else:
+            tokens.append(b.tokens[i])
+            parents.append(parent)
+            scores.append(b_scores[i])
+            node = child_of[key] = len(tokens) - 1
+        where[i] = node
+    return DraftTree(tokens, parents, scores)

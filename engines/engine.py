@@ -105,6 +105,7 @@ class EngineConfig:
     draft_model: str | None = None  # checkpoint for drafter="draft-model" (a causal LM) or "lyanna"
     spec: SpecParams = field(default_factory=SpecParams)  # default speculation per request
     chain_verifier: str = "block"  # stochastic chains at temperature > 0: "block" or "rejection"
+    lyanna_resampling: bool = True  # re-sample after rejections and fuse into the next verification
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -457,7 +458,7 @@ def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
 
     if config.draft_model is None:
         raise ValueError("drafter 'lyanna' needs draft_model (a trained Lyanna checkpoint folder)")
-    return LyannaDrafter(load_lyanna(config.draft_model, engine))
+    return LyannaDrafter(load_lyanna(config.draft_model, engine), resample=config.lyanna_resampling)
 
 
 DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model, "lyanna": _lyanna}

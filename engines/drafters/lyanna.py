@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines.draft_tree import DraftTree
+from engines.draft_tree import DraftTree, merge_trees
 from engines.drafters.base import Drafter
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
-from engines.drafters.token_info_sampling import token_info_tree
+from engines.drafters.token_info_sampling import resample_tree, token_info_tree
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
@@ -57,6 +57,8 @@ class _State:
         return 0 if self.keys is None else self.keys.shape[0]
 
     last_out: torch.Tensor | None = None  # the layer's output at the last processed position
+    logits: torch.Tensor | None = None  # [steps, vocab] raw draft logits of the last proposal
+    resampled: DraftTree | None = None  # Algorithm 2's tree, to be fused into the next verification
 
 
 class LyannaDrafter(Drafter):
@@ -66,10 +68,15 @@ class LyannaDrafter(Drafter):
     name = "lyanna"
     wants_hidden = True
 
-    def __init__(self, model: LyannaDraftModel, token_info_table=None):
+    def __init__(
+        self, model: LyannaDraftModel, token_info_table=None, resample: bool = True, resample_threshold: int = 1
+    ):
         self.model = model
         self.token_info = token_info_table or model.token_info
+        self.resample = resample
+        self.resample_threshold = resample_threshold
         self.states: dict[str, _State] = {}
+        self.num_fused = 0  # proposals that carried a re-sampled tree
 
     # ---- hidden states from the target -----------------------------------------------------------
     def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
@@ -86,6 +93,17 @@ class LyannaDrafter(Drafter):
 
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
         self._record(request, request.num_computed_tokens - len(result.path), hidden)
+        st = self.states[request.request_id]
+        st.resampled = None
+        last = result.path[-1]
+        rejected = any(p == last for p in tree.parents)  # the walk stopped at a node with children
+        if self.resample and rejected and st.logits is not None:
+            # The bonus token sits at draft depth a+1; the logits of the depths past it are reused.
+            remaining = st.logits[result.num_accepted + 1 :]
+            width = max(1, max(len(tree.children(i)) for i in range(tree.size)))
+            resampled = resample_tree(remaining, result.bonus, self.token_info, width, self.resample_threshold)
+            if resampled.num_draft:
+                st.resampled = resampled
 
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
@@ -146,5 +164,12 @@ class LyannaDrafter(Drafter):
                 continue
             logits = self.model.logits(traj)  # one GEMM for every step
             root = req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
-            trees.append(token_info_tree(logits, root, self.token_info, spec.width, spec.budget))
+            tree = token_info_tree(logits, root, self.token_info, spec.width, spec.budget)
+            st = self.states[req.request_id]
+            if st.resampled is not None and st.resampled.tokens[0] == root:
+                # Verification fusion: the re-sampled tree rides along, competing for the budget.
+                tree = merge_trees(tree, st.resampled).prune(spec.budget + 1)
+                self.num_fused += 1
+            st.logits, st.resampled = logits, None
+            trees.append(tree)
         return trees

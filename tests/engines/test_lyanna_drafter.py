@@ -78,3 +78,17 @@ def test_seeded_sampling_with_lyanna_reproduces(lyanna_checkpoint):
     a = engine.generate([CHAT_PROMPTS[1]], params)[0].token_ids
     b = engine.generate([CHAT_PROMPTS[1]], params)[0].token_ids
     assert a == b and len(a) == 16
+
+
+@pytest.mark.slow
+def test_resampled_trees_are_fused_and_output_is_unchanged(lyanna_checkpoint, engine_fp32):
+    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8))
+    assert engine.drafter.resample
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS, params)
+    want = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.drafter.num_fused > 0  # random weights reject often, so re-sampled trees were fused
+    off = lyanna_engine(lyanna_checkpoint, lyanna_resampling=False)
+    off.generate(CHAT_PROMPTS[:1], params)
+    assert off.drafter.num_fused == 0

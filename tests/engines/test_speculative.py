@@ -148,3 +148,15 @@ def test_spec_stats_count_conditional_acceptance_by_depth():
     total.add(stats)
     total.add(stats)
     assert total.reached_depth == [6, 4, 2] and total.num_steps == 6
+
+
+def test_merge_trees_unions_paths_and_keeps_higher_scores():
+    from engines.draft_tree import merge_trees
+
+    a = DraftTree([9, 1, 2, 3], [-1, 0, 0, 1], scores=[1.0, 0.5, 0.3, 0.2])
+    b = DraftTree([9, 1, 4, 5], [-1, 0, 1, 0], scores=[1.0, 0.6, 0.25, 0.1])
+    m = merge_trees(a, b)
+    assert m.tokens == [9, 1, 2, 3, 4, 5] and m.parents == [-1, 0, 0, 1, 1, 0]
+    assert m.scores == [1.0, 0.6, 0.3, 0.2, 0.25, 0.1]
+    with pytest.raises(ValueError):
+        merge_trees(a, DraftTree([8], [-1]))

@@ -267,3 +267,38 @@ def test_verify_batch_equals_per_request_verifiers():
             ),
         ]
         assert got == want
+
+
+def fused_tree_step(world: World, out: tuple[int, ...]) -> Callable[[ForcedRng], tuple[int, ...]]:
+    """Verification fusion: a fresh top-k tree merged with one built from a stale distribution."""
+    from engines.draft_tree import merge_trees
+
+    def build(kind: str, widths: list[int]) -> DraftTree:
+        tokens, parents, prefixes, frontier = [-1], [-1], [out], [0]
+        for k in widths:
+            nxt = []
+            for node in frontier:
+                for x in torch.argsort(world.dist(kind, prefixes[node]), descending=True)[:k].tolist():
+                    tokens.append(x)
+                    parents.append(node)
+                    prefixes.append((*prefixes[node], x))
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt
+        return DraftTree(tokens, parents)
+
+    def run(rng) -> tuple[int, ...]:
+        tree = merge_trees(build("q", [2, 1]), build("stale", [1, 2]))
+        prefixes = [out]
+        for i in range(1, tree.size):
+            prefixes.append((*prefixes[tree.parents[i]], tree.tokens[i]))
+        res = verify_tree(tree, torch.stack([world.p(pre) for pre in prefixes]), rng)
+        return (*(tree.tokens[i] for i in res.path[1:]), res.bonus)
+
+    return run
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_trees_are_exactly_lossless(seed):
+    world = World(seed)
+    law = decoding_law(lambda out: fused_tree_step(world, out))
+    assert total_variation(law, world.target_law()) < 1e-9
