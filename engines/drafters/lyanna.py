@@ -38,7 +38,7 @@ def load_lyanna(checkpoint: str | Path, engine) -> LyannaDraftModel:
     """A trained drafter folder (model.safetensors + config.json) on top of the engine's target."""
     folder = Path(checkpoint)
     draft = json.loads((folder / "config.json").read_text()).get("draft", {})
-    cfg = LyannaConfig(engine.model_config, **draft)
+    cfg = LyannaConfig(engine.model_config, **draft)  # a hot vocabulary's map comes with the weights
     target = engine.model
     model = LyannaDraftModel(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data)
     model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
@@ -101,7 +101,9 @@ class LyannaDrafter(Drafter):
             # The bonus token sits at draft depth a+1; the logits of the depths past it are reused.
             remaining = st.logits[result.num_accepted + 1 :]
             width = max(1, max(len(tree.children(i)) for i in range(tree.size)))
-            resampled = resample_tree(remaining, result.bonus, self.token_info, width, self.resample_threshold)
+            resampled = resample_tree(
+                remaining, result.bonus, self.token_info, width, self.resample_threshold, self.model.d2t
+            )
             if resampled.num_draft:
                 st.resampled = resampled
 
@@ -164,7 +166,7 @@ class LyannaDrafter(Drafter):
                 continue
             logits = self.model.logits(traj)  # one GEMM for every step
             root = req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
-            tree = token_info_tree(logits, root, self.token_info, spec.width, spec.budget)
+            tree = token_info_tree(logits, root, self.token_info, spec.width, spec.budget, self.model.d2t)
             st = self.states[req.request_id]
             if st.resampled is not None and st.resampled.tokens[0] == root:
                 # Verification fusion: the re-sampled tree rides along, competing for the budget.

@@ -2,7 +2,8 @@
 
     h_1     = Layer(fuse(h_0, E(t_1)))    h_0: the target's last hidden state, t_1: the bonus token
     h_{i+1} = Layer(h_i)                  no token enters the trajectory after the first step
-    l_i     = h_i · W_head                one LM-head GEMM over [h_1 .. h_N]
+    l_i     = h_i · W_head                one LM-head GEMM over [h_1 .. h_N], optionally over the
+                                          hot vocabulary only (a draft -> target token map, d2t)
     l'_i    = l_i + RMSNorm(E'(t_{i-1}))  token info, added only when sampling (token_info.py)
 
 Context positions are teacher-forced the same way as the first step: position j holds
@@ -35,19 +36,32 @@ class LyannaConfig:
     token_info_rank: int = 64
     use_fusion: bool = True  # first-step fusion of the bonus token's embedding
     use_token_info: bool = True  # token info added to the logits when sampling
+    draft_vocab: int | None = None  # size of the hot vocabulary the LM head covers (None: all tokens)
 
 
 class LyannaDraftModel(nn.Module):
     """Fuse projection, one decoder layer, output norm and token info; embedding and LM head frozen."""
 
-    def __init__(self, cfg: LyannaConfig, embedding: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(
+        self, cfg: LyannaConfig, embedding: torch.Tensor, lm_head: torch.Tensor, hot_tokens: torch.Tensor | None = None
+    ):
         super().__init__()
         t = cfg.target
         self.cfg = cfg
         self.num_heads, self.num_kv_heads, self.head_dim = t.num_heads, t.num_kv_heads, t.head_dim
         dtype = embedding.dtype
         self.register_buffer("embed", embedding.detach(), persistent=False)  # [vocab, hidden]
-        self.register_buffer("lm_head", lm_head.detach(), persistent=False)  # [vocab, hidden]
+        if cfg.draft_vocab is not None:
+            if hot_tokens is None:  # placeholder until the checkpoint's map is loaded
+                hot_tokens = torch.arange(cfg.draft_vocab)
+            if hot_tokens.numel() != cfg.draft_vocab:
+                raise ValueError(f"draft_vocab={cfg.draft_vocab} but {hot_tokens.numel()} hot tokens given")
+            # Draft vocabulary index -> target token id; saved with the weights.
+            self.register_buffer("d2t", hot_tokens.to(torch.long).clone(), persistent=True)
+        else:
+            self.d2t = None
+        self.lm_head_full = lm_head.detach()
+        self.register_buffer("lm_head", self._head_rows(), persistent=False)  # [draft vocab, hidden]
         self.fuse = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False, dtype=dtype)
         tp = TensorParallel()
         self.input_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
@@ -58,10 +72,17 @@ class LyannaDraftModel(nn.Module):
         self.mlp = MLP(t, tp, dtype)
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(replace(t, num_layers=1))
-        self.token_info = (
-            TokenInfoEmbedding(embedding, cfg.token_info_rank, embedding.shape[0]) if cfg.use_token_info else None
-        )
+        vocab_out = cfg.draft_vocab or embedding.shape[0]  # token info lives in the drafter's logit space
+        self.token_info = TokenInfoEmbedding(embedding, cfg.token_info_rank, vocab_out) if cfg.use_token_info else None
         self.reset_parameters()
+
+    def _head_rows(self) -> torch.Tensor:
+        return self.lm_head_full if self.d2t is None else self.lm_head_full[self.d2t]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.d2t is not None:  # the hot-token map arrived: restrict the head to it
+            self.lm_head = self._head_rows().to(self.embed.device)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -102,7 +123,8 @@ class LyannaDraftModel(nn.Module):
         return t.repeat_interleave(self.num_heads // self.num_kv_heads, dim=-2)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Raw draft logits of hidden states, one GEMM for all steps ([n, hidden] -> [n, vocab] fp32)."""
+        """Raw draft logits of hidden states, one GEMM for all steps ([n, hidden] -> [n, draft vocab] fp32).
+        Column i is target token `d2t[i]` with a hot vocabulary, token i otherwise."""
         return F.linear(h, self.lm_head).float()
 
     # ---- training: every anchor's chain at once --------------------------------------------------

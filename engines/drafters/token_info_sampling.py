@@ -20,8 +20,13 @@ from engines.draft_tree import DraftTree
 TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
 
 
-def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int) -> DraftTree:
+def build_subtree(
+    logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int, d2t: torch.Tensor | None = None
+) -> DraftTree:
     """Algorithm 1's BuildSubtree over logits [steps, vocab]; node scores are joint probabilities.
+
+    With a hot vocabulary, logits column i stands for target token `d2t[i]`; trees always hold
+    target token ids.
 
     `token_info` None samples without token information (the paper's ablation): every frontier
     node then sees the same logits.
@@ -36,6 +41,8 @@ def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo | None,
         raw = logits[step].float().unsqueeze(0).expand(len(frontier_tokens), -1)
         probs = torch.softmax(raw if token_info is None else raw + token_info(frontier_tokens).float(), dim=-1)
         top_p, top_tok = probs.topk(k, dim=-1)  # [F, k]
+        if d2t is not None:
+            top_tok = d2t[top_tok]
         parent_joint = torch.tensor([scores[i] for i in frontier.tolist()]).unsqueeze(1)
         joint = (parent_joint * top_p).flatten()  # [F * k]
         first_new = len(tokens)
@@ -50,16 +57,23 @@ def build_subtree(logits: torch.Tensor, root: int, token_info: TokenInfo | None,
     return DraftTree(tokens, parents, scores)
 
 
-def token_info_tree(logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int, budget: int) -> DraftTree:
+def token_info_tree(
+    logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int, budget: int, d2t: torch.Tensor | None = None
+) -> DraftTree:
     """Algorithm 1: the full tree from the last verified token, pruned to `budget` draft tokens."""
-    return build_subtree(logits, root, token_info, k).prune(budget + 1)
+    return build_subtree(logits, root, token_info, k, d2t).prune(budget + 1)
 
 
 def resample_tree(
-    remaining_logits: torch.Tensor, bonus: int, token_info: TokenInfo, k: int, threshold: int
+    remaining_logits: torch.Tensor,
+    bonus: int,
+    token_info: TokenInfo | None,
+    k: int,
+    threshold: int,
+    d2t: torch.Tensor | None = None,
 ) -> DraftTree:
     """Algorithm 2: after a rejection, a tree rooted at the bonus token from the logits of the depths
     past the rejection (no drafter forward); just the root when `threshold` or fewer steps remain."""
     if remaining_logits.shape[0] > threshold:
-        return build_subtree(remaining_logits, bonus, token_info, k)
+        return build_subtree(remaining_logits, bonus, token_info, k, d2t)
     return DraftTree([bonus], [-1], [1.0])

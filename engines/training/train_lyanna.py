@@ -76,7 +76,7 @@ def distill_loss(
         logits = model.logits(h_s)
         if model.token_info is not None:
             logits = logits + model.token_info(tokens[idx + s]).float()
-        with torch.no_grad():
+        with torch.no_grad():  # over the drafter's (possibly hot) vocabulary: renormalised target
             target_probs = model.logits(target).softmax(-1)
         ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
         total = total + alpha * mse + beta * ce
@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, default=64, help="token-info rank")
     ap.add_argument("--no-fusion", action="store_true")
     ap.add_argument("--no-token-info", action="store_true")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="restrict the LM head to the N most frequent assistant tokens of --data",
+    )
     for name, default in asdict(TrainConfig()).items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     args = ap.parse_args(argv)

@@ -92,3 +92,24 @@ def test_resampled_trees_are_fused_and_output_is_unchanged(lyanna_checkpoint, en
     off = lyanna_engine(lyanna_checkpoint, lyanna_resampling=False)
     off.generate(CHAT_PROMPTS[:1], params)
     assert off.drafter.num_fused == 0
+
+
+@pytest.mark.slow
+def test_hot_vocabulary_drafter_keeps_greedy_output(engine_fp32, tmp_path):
+    torch.manual_seed(1)
+    t = engine_fp32.model
+    prompt_ids = engine_fp32.tokenizer.apply_chat_template(CHAT_PROMPTS[0])
+    hot = torch.tensor(sorted(set(prompt_ids) | set(range(2048))))  # a plausible hot set
+    model = LyannaDraftModel(
+        LyannaConfig(engine_fp32.model_config, token_info_rank=8, draft_vocab=hot.numel()),
+        t.embed_tokens.weight.data,
+        t.lm_head_weight.data,
+        hot,
+    )
+    save_lyanna(model, tmp_path)
+    engine = lyanna_engine(str(tmp_path))
+    assert torch.equal(engine.drafter.model.d2t, hot) and engine.drafter.model.lm_head.shape[0] == hot.numel()
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS[:2], params)
+    want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -64,3 +64,19 @@ def test_fusion_switch_decides_whether_the_bonus_token_enters():
     assert not torch.allclose(fused.draft_chain(hidden, a, 2), fused.draft_chain(hidden, b, 2))
     torch.testing.assert_close(plain.draft_chain(hidden, a, 2), plain.draft_chain(hidden, b, 2))
     assert make(use_token_info=False).token_info is None
+
+
+def test_hot_vocabulary_head_selects_target_columns():
+    torch.manual_seed(0)
+    emb = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    hot = torch.tensor([3, 7, 8, 20, 41, 63])
+    full = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
+    small = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8, draft_vocab=6), emb, emb, hot)
+    h = torch.randn(4, TARGET.hidden_size)
+    torch.testing.assert_close(small.logits(h), full.logits(h)[:, hot])
+    assert small.token_info(torch.tensor([1, 2])).shape == (2, 6)
+    # The map is part of the weights, and loading it restricts the head again.
+    clone = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8, draft_vocab=6), emb, emb)
+    clone.load_state_dict(small.state_dict())
+    assert torch.equal(clone.d2t, hot)
+    torch.testing.assert_close(clone.logits(h), small.logits(h))

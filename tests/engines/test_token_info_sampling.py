@@ -88,3 +88,11 @@ def test_resampling_roots_a_new_tree_at_the_bonus_token():
     assert tree.depth == 2 and abs(tree.scores[1] - 0.6) < 1e-5
     # With too few steps left the new tree is just its root.
     assert resample_tree(remaining, T["quantization"], info, k=2, threshold=2).size == 1
+
+
+def test_trees_over_a_hot_vocabulary_hold_target_token_ids():
+    d2t = torch.tensor([T["server"], T["training"], T["inference"]])  # draft column -> target token
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.7, 0.2, 0.1]]))
+    tree = build_subtree(logits, T["model"], None, k=2, d2t=d2t)
+    assert [VOCAB[t] for t in tree.tokens[:3]] == ["model", "training", "inference"]
+    assert VOCAB[tree.tokens[3]] == "server"
