@@ -65,11 +65,16 @@ def sharegpt_messages(record: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def sharegpt_prompts(num: int, max_chars: int = 2000, min_chars: int = 8) -> list[dict[str, Any]]:
+def sharegpt_prompts(num: int, max_chars: int = 2000, min_chars: int = 8, split: str = "all") -> list[dict[str, Any]]:
     """The first `num` ShareGPT conversations whose opening user turn has a usable length, as
-    single-turn prompt records ({'id', 'messages'})."""
+    single-turn prompt records ({'id', 'messages'}); `split` 'train' or 'val' keeps one side of the
+    drafter-training split (evaluate drafters on 'val')."""
+    from engines.training.data import split_of
+
     out = []
     for rec in iter_sharegpt():
+        if split != "all" and split_of(rec["id"]) != split:
+            continue
         msgs = sharegpt_messages(rec)
         if msgs and msgs[0]["role"] == "user" and min_chars <= len(msgs[0]["content"]) <= max_chars:
             out.append({"id": rec["id"], "messages": msgs[:1]})
@@ -116,9 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
     ap.add_argument("--num", type=int, default=32)
     ap.add_argument("--max-chars", type=int, default=2000, help="longest first user turn kept (sharegpt)")
+    ap.add_argument(
+        "--split", choices=["all", "train", "val"], default="all", help="side of the drafter-training split (sharegpt)"
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    records = sharegpt_prompts(args.num, args.max_chars) if args.source == "sharegpt" else humaneval_prompts(args.num)
+    records = (
+        sharegpt_prompts(args.num, args.max_chars, split=args.split)
+        if args.source == "sharegpt"
+        else humaneval_prompts(args.num)
+    )
     write_prompt_file(records, args.out)
     print(f"wrote {len(records)} prompts to {args.out}")
 
