@@ -42,7 +42,9 @@ def load_lyanna(checkpoint: str | Path, engine) -> LyannaDraftModel:
     target = engine.model
     model = LyannaDraftModel(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data)
     model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
-    return model.to(target.embed_tokens.weight.device).eval().requires_grad_(False)
+    model = model.to(target.embed_tokens.weight.device).eval().requires_grad_(False)
+    model.prepack()
+    return model
 
 
 @dataclass

@@ -25,7 +25,8 @@ from torch import nn
 from engines.config import ModelConfig
 from engines.drafters.token_info import TokenInfoEmbedding
 from engines.model import MLP, RMSNorm, RotaryEmbedding, apply_rope
-from engines.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from engines.parallel import ColumnParallelLinear, PackableLinear, RowParallelLinear, TensorParallel
+from kernels import onednn_linear
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class LyannaDraftModel(nn.Module):
             self.d2t = None
         self.lm_head_full = lm_head.detach()
         self.register_buffer("lm_head", self._head_rows(), persistent=False)  # [draft vocab, hidden]
-        self.fuse = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False, dtype=dtype)
+        self.lm_head_packed: torch.Tensor | None = None
         tp = TensorParallel()
+        self.fuse = ColumnParallelLinear(2 * t.hidden_size, [t.hidden_size], tp, dtype)
         self.input_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
         q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
         self.qkv_proj = ColumnParallelLinear(t.hidden_size, [q, kv, kv], tp, dtype)
@@ -125,7 +127,15 @@ class LyannaDraftModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Raw draft logits of hidden states, one GEMM for all steps ([n, hidden] -> [n, draft vocab] fp32).
         Column i is target token `d2t[i]` with a hot vocabulary, token i otherwise."""
-        return F.linear(h, self.lm_head).float()
+        return onednn_linear.linear(h, self.lm_head, self.lm_head_packed).float()
+
+    def prepack(self) -> None:
+        """For inference only: lay the projections out for the CPU's fastest kernel (packed copies
+        take no gradients, so training never calls this)."""
+        for m in self.modules():
+            if isinstance(m, PackableLinear):
+                m.prepack()
+        self.lm_head_packed = onednn_linear.prepack(self.lm_head)
 
     # ---- training: every anchor's chain at once --------------------------------------------------
     def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
