@@ -115,11 +115,18 @@ def evaluate(model: LyannaDraftModel, data_dir: str | Path, cfg: TrainConfig, li
 
 
 def save_checkpoint(
-    model: LyannaDraftModel, opt: torch.optim.Optimizer, out: Path, step: int, cfg: TrainConfig, extra: dict
+    model: LyannaDraftModel,
+    opt: torch.optim.Optimizer,
+    out: Path,
+    step: int,
+    seen: int,
+    cfg: TrainConfig,
+    extra: dict,
 ) -> None:
-    """A loadable drafter folder (weights + config) with optimizer state and progress beside it."""
+    """A loadable drafter folder (weights + config) with optimizer state and progress beside it:
+    `step` optimizer steps taken, `seen` training sequences consumed (some take no step)."""
     save_lyanna(model, out, {"train": asdict(cfg)} | extra)
-    torch.save({"optimizer": opt.state_dict(), "step": step}, out / "train_state.pt")
+    torch.save({"optimizer": opt.state_dict(), "step": step, "seen": seen}, out / "train_state.pt")
 
 
 def train(
@@ -132,13 +139,13 @@ def train(
     opt = torch.optim.Adam(params, lr=cfg.lr)
     index = json.loads((Path(data_dir) / "index.json").read_text())
     total = index["num_examples"] * cfg.epochs
-    step = 0
+    step = done = 0
     if (out / "train_state.pt").exists():
         model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
         state = torch.load(out / "train_state.pt", weights_only=False)
         opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-        log.info("resumed at step %d", step)
+        step, done = state["step"], state["seen"]
+        log.info("resumed at step %d (%d sequences consumed)", step, done)
     first = step  # the learning rate decays linearly from lr at step 0 to 0 at the last step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1.0 - (first + k) / max(1, total)))
     start = time.monotonic()
@@ -146,10 +153,12 @@ def train(
     for epoch in range(cfg.epochs):
         for h, t, m in iter_sequences(data_dir, cfg.max_seq, cfg.seed + epoch):
             seen += 1
-            if seen <= step:
-                continue  # already trained on before the resume
+            if seen <= done:
+                continue  # consumed before the resume
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.device.type == "cpu"):
                 loss, stats = distill_loss(model, h.float(), t, m, cfg.steps, cfg.alpha, cfg.beta)
+            if not loss.requires_grad:  # nothing to learn here (e.g. the answer lies past max_seq)
+                continue
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -166,9 +175,11 @@ def train(
                     time.monotonic() - start,
                 )
             if step % cfg.checkpoint_every == 0:
-                save_checkpoint(model, opt, out, step, cfg, {})
+                save_checkpoint(model, opt, out, step, seen, cfg, {})
     metrics = evaluate(model, val_dir, cfg) if val_dir else {}
-    save_checkpoint(model, opt, out, step, cfg, {"val": metrics, "train_wall_s": time.monotonic() - start})
+    save_checkpoint(
+        model, opt, out, step, max(seen, done), cfg, {"val": metrics, "train_wall_s": time.monotonic() - start}
+    )
     return metrics
 
 

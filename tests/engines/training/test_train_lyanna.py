@@ -32,6 +32,8 @@ def synthetic_features(path, num=12, length=24):
         for _ in range(length - 1):  # tokens follow a deterministic cycle, as an easy language
             toks.append((toks[-1] * 7 + 3) % TARGET.vocab_size)
         writer.add(Example(f"s{i}", toks, [0] * 4 + [1] * (length - 4)), state_of[torch.tensor(toks)])
+    # One sequence with nothing to learn (its answer was cut off): training must step over it.
+    writer.add(Example("empty", toks, [0] * length), state_of[torch.tensor(toks)])
     writer.flush()
     return emb
 
@@ -47,7 +49,7 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     # Resume: a longer run continues from the saved step instead of starting over.
     state = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)
-    assert state["step"] == 12 * 6
+    assert state["step"] == 12 * 6  # the sequence without loss positions took no optimizer step
     longer = TrainConfig(steps=3, lr=3e-3, epochs=7, log_every=1000, checkpoint_every=1000)
     fresh = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
     resumed = train(fresh, tmp_path / "data", tmp_path / "ckpt", longer, val_dir=tmp_path / "data")
