@@ -5,8 +5,11 @@
 
 Prompts are served in waves of `--batch-size` conversations submitted together. Every
 configuration runs every wave, in rotating order, in one process, so machine noise hits all of them
-alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`), optionally with its tree
-as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`). With `--compare-hf`,
+alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`, `eagle`, `lyanna`) or a
+Lyanna variant (`lyanna-no-resampling`, `lyanna-no-fusion`: re-sampled trees verified alone instead
+of fused, `lyanna-dense`: token info from the low-rank product instead of the hot-token table),
+optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
+`eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
 transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
 the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
 ignored) so all do equal work. The last line of stdout is one JSON object; its top-level fields
@@ -85,8 +88,31 @@ class Side:
         return sum(len(o) for o in self.outputs.values())
 
 
+# Named configurations beyond the plain drafter names: (drafter, EngineConfig overrides).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "lyanna-no-resampling": ("lyanna", {"lyanna_resampling": False}),
+    "lyanna-no-fusion": ("lyanna", {"lyanna_fusion": False}),
+    "lyanna-dense": ("lyanna", {"lyanna_token_info_rows": 0}),
+}
+
+
+def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of a configuration name (without its tree)."""
+    drafter, overrides = VARIANTS.get(variant, (variant, {}))
+    checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(args.batch_size, 1),
+        drafter=drafter,
+        draft_model=checkpoint,
+        **overrides,
+    )
+
+
 def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
-    """'ngram' or 'ngram:depth:width:budget' -> (drafter, tree settings)."""
+    """'ngram' or 'ngram:depth:width:budget' -> (configuration name, tree settings)."""
     name, *nums = text.split(":")
     if len(nums) not in (0, 3):
         raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
@@ -110,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budget", type=int, default=8, help="draft tokens verified per step at most")
     ap.add_argument("--compare", default=None, help="comma-separated configurations, e.g. none,ngram,ngram:6:3:16")
     ap.add_argument("--draft-model", default=None, help="checkpoint of the draft model (drafter draft-model)")
+    ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
+    ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -122,19 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = [parse_config(c, args) for c in (args.compare or args.drafter).split(",")]
     names = (args.compare or args.drafter).split(",")
     engines: dict[str, LLMEngine] = {}
-    for drafter, spec in configs:
-        if drafter not in engines:
-            engines[drafter] = LLMEngine(
-                EngineConfig(
-                    model=args.model,
-                    dtype=args.dtype,
-                    device=args.device,
-                    max_num_seqs=max(args.batch_size, 1),
-                    drafter=drafter,
-                    draft_model=args.draft_model,
-                    spec=spec,
-                )
-            )
+    for variant, _ in configs:
+        if variant not in engines:
+            engines[variant] = LLMEngine(engine_config(variant, args))
     first = next(iter(engines.values()))
     prompts = [first.tokenizer.apply_chat_template(r["messages"]) for r in records]
     ignore_eos = args.ignore_eos or args.compare_hf

@@ -101,11 +101,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max positions, capped by the KV cache
-    drafter: str = "none"  # "none", "ngram", "draft-model" or "lyanna"
-    draft_model: str | None = None  # checkpoint for drafter="draft-model" (a causal LM) or "lyanna"
+    drafter: str = "lyanna"  # "none", "ngram", "draft-model", "lyanna" or "eagle"
+    # Checkpoint for drafter "draft-model" (a causal LM), "lyanna" or "eagle"; for the last two the
+    # embedded target's shipped drafter when None.
+    draft_model: str | None = None
     spec: SpecParams = field(default_factory=SpecParams)  # default speculation per request
     chain_verifier: str = "block"  # stochastic chains at temperature > 0: "block" or "rejection"
-    lyanna_resampling: bool = True  # re-sample after rejections and fuse into the next verification
+    lyanna_resampling: bool = True  # re-sample after rejections (Lyanna Algorithm 2)
+    lyanna_token_info_rows: int = 1024  # hot tokens in the collapsed token-info table (0: dense low-rank product)
+    lyanna_fusion: bool = True  # verify a re-sampled tree fused with the next draft (off: alone, instead)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -453,15 +457,35 @@ def _draft_model(config: EngineConfig, engine: LLMEngine) -> Drafter:
     return DraftModelDrafter(config.draft_model, engine)
 
 
+def _drafter_checkpoint(config: EngineConfig, kind: str) -> str:
+    """The configured checkpoint, or the one shipped for the embedded target."""
+    from engines.drafters.checkpoint import SHIPPED
+
+    if config.draft_model is not None:
+        return config.draft_model
+    if config.model not in (None, "smollm2-135m-instruct"):
+        raise ValueError(f"drafter {kind!r} needs draft_model (a checkpoint trained for this target)")
+    return str(SHIPPED[kind])
+
+
 def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
-    from engines.drafters.lyanna import LyannaDrafter, load_lyanna
+    from engines.drafters.checkpoint import load_draft_model, token_info_table
+    from engines.drafters.lyanna import LyannaDrafter
 
-    if config.draft_model is None:
-        raise ValueError("drafter 'lyanna' needs draft_model (a trained Lyanna checkpoint folder)")
-    return LyannaDrafter(load_lyanna(config.draft_model, engine), resample=config.lyanna_resampling)
+    checkpoint = _drafter_checkpoint(config, "lyanna")
+    model = load_draft_model(checkpoint, engine, kind="lyanna")
+    table = token_info_table(model, checkpoint, config.lyanna_token_info_rows)
+    return LyannaDrafter(model, table, resample=config.lyanna_resampling, fusion=config.lyanna_fusion)
 
 
-DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model, "lyanna": _lyanna}
+def _eagle(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.checkpoint import load_draft_model
+    from engines.drafters.eagle import EagleDrafter
+
+    return EagleDrafter(load_draft_model(_drafter_checkpoint(config, "eagle"), engine, kind="eagle"))
+
+
+DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model, "lyanna": _lyanna, "eagle": _eagle}
 
 
 def make_drafter(config: EngineConfig, engine: LLMEngine) -> Drafter | None:

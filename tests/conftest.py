@@ -31,7 +31,7 @@ def checkpoint():
 @pytest.fixture(scope="session")
 def engine_fp32():
     """An fp32 engine on the embedded model (exact comparisons against transformers)."""
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512))
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=512, drafter="none"))
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,7 @@ def make_engine():
     """Build an engine with overrides; engines share the cached checkpoint, so this is cheap."""
 
     def make(**overrides) -> LLMEngine:
-        cfg = {"dtype": "float32", "num_kv_blocks": 256} | overrides
+        cfg = {"dtype": "float32", "num_kv_blocks": 256, "drafter": "none"} | overrides
         return LLMEngine(EngineConfig(**cfg))
 
     return make

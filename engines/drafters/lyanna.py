@@ -9,42 +9,17 @@ K/V. One LM-head GEMM gives l_1..l_N and Algorithm 1 builds the tree (token_info
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from engines.draft_tree import DraftTree, merge_trees
 from engines.drafters.base import Drafter
-from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.drafters.lyanna_model import LyannaDraftModel
 from engines.drafters.token_info_sampling import resample_tree, token_info_tree
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
-
-
-def save_lyanna(model: LyannaDraftModel, folder: str | Path, extra: dict | None = None) -> None:
-    """Write the drafter's trainable weights (safetensors) and its switches (config.json)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
-    draft = {k: v for k, v in asdict(model.cfg).items() if k != "target"}
-    (folder / "config.json").write_text(json.dumps({"draft": draft} | (extra or {}), indent=2))
-
-
-def load_lyanna(checkpoint: str | Path, engine) -> LyannaDraftModel:
-    """A trained drafter folder (model.safetensors + config.json) on top of the engine's target."""
-    folder = Path(checkpoint)
-    draft = json.loads((folder / "config.json").read_text()).get("draft", {})
-    cfg = LyannaConfig(engine.model_config, **draft)  # a hot vocabulary's map comes with the weights
-    target = engine.model
-    model = LyannaDraftModel(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data)
-    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
-    model = model.to(target.embed_tokens.weight.device).eval().requires_grad_(False)
-    model.prepack()
-    return model
 
 
 @dataclass
@@ -71,14 +46,21 @@ class LyannaDrafter(Drafter):
     wants_hidden = True
 
     def __init__(
-        self, model: LyannaDraftModel, token_info_table=None, resample: bool = True, resample_threshold: int = 1
+        self,
+        model: LyannaDraftModel,
+        token_info_table=None,
+        resample: bool = True,
+        resample_threshold: int = 1,
+        fusion: bool = True,
     ):
         self.model = model
         self.token_info = token_info_table or model.token_info
         self.resample = resample
+        self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
         self.resample_threshold = resample_threshold
         self.states: dict[str, _State] = {}
         self.num_fused = 0  # proposals that carried a re-sampled tree
+        self.num_resampled_alone = 0  # proposals that were a re-sampled tree alone (fusion off)
 
     # ---- hidden states from the target -----------------------------------------------------------
     def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
@@ -162,6 +144,13 @@ class LyannaDrafter(Drafter):
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         trees: list[DraftTree | None] = []
         for req, spec in zip(requests, specs, strict=True):
+            st = self.states.get(req.request_id)
+            if not self.fusion and st is not None and st.resampled is not None:
+                # Without verification fusion the re-sampled tree takes this step's place (no drafter forward).
+                tree, st.resampled, st.logits = st.resampled.prune(spec.budget + 1), None, None
+                self.num_resampled_alone += 1
+                trees.append(tree)
+                continue
             traj = self.trajectory(req, spec.depth)
             if traj is None:
                 trees.append(None)

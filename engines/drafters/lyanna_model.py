@@ -43,8 +43,15 @@ class LyannaConfig:
 class LyannaDraftModel(nn.Module):
     """Fuse projection, one decoder layer, output norm and token info; embedding and LM head frozen."""
 
+    kind = "lyanna"
+
     def __init__(
-        self, cfg: LyannaConfig, embedding: torch.Tensor, lm_head: torch.Tensor, hot_tokens: torch.Tensor | None = None
+        self,
+        cfg: LyannaConfig,
+        embedding: torch.Tensor,
+        lm_head: torch.Tensor,
+        hot_tokens: torch.Tensor | None = None,
+        final_norm: torch.Tensor | None = None,
     ):
         super().__init__()
         t = cfg.target
@@ -66,6 +73,9 @@ class LyannaDraftModel(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         tp = TensorParallel()
         self.fuse = ColumnParallelLinear(2 * t.hidden_size, [t.hidden_size], tp, dtype)
+        # Both fuse inputs are normalised first: target states are ~15x the embeddings' scale here.
+        self.hidden_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
+        self.embed_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
         self.input_norm = RMSNorm(t.hidden_size, t.rms_norm_eps, dtype)
         q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
         self.qkv_proj = ColumnParallelLinear(t.hidden_size, [q, kv, kv], tp, dtype)
@@ -77,6 +87,12 @@ class LyannaDraftModel(nn.Module):
         vocab_out = cfg.draft_vocab or embedding.shape[0]  # token info lives in the drafter's logit space
         self.token_info = TokenInfoEmbedding(embedding, cfg.token_info_rank, vocab_out) if cfg.use_token_info else None
         self.reset_parameters()
+        if final_norm is not None:
+            # Start the output norm at the target's final norm: the states it predicts carry the same
+            # per-dimension scales (a few dimensions are 10-20x the rest), which plain unit init
+            # would need tens of thousands of Adam steps to reach.
+            with torch.no_grad():
+                self.norm.weight.copy_(final_norm)
 
     def _head_rows(self) -> torch.Tensor:
         return self.lm_head_full if self.d2t is None else self.lm_head_full[self.d2t]
@@ -105,7 +121,16 @@ class LyannaDraftModel(nn.Module):
         """fuse(H_j, E(t_{j+1})) for each position ([n, hidden], [n] -> [n, hidden])."""
         if not self.cfg.use_fusion:
             return hidden
-        return self.fuse(torch.cat([hidden, self.embed[next_tokens]], dim=-1))
+        return self.fuse_pair(hidden, next_tokens)
+
+    def fuse_pair(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """fuse(h, E(t)) = W_fuse [norm(h); norm(E(t))]."""
+        return self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(self.embed[tokens])], dim=-1))
+
+    def chain_input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's input at draft steps >= 2 from the previous step's output and the token drafted
+        there: Lyanna feeds the hidden state alone (no token enters the trajectory)."""
+        return h
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         n = x.shape[0]
@@ -157,7 +182,8 @@ class LyannaDraftModel(nn.Module):
         diag_v: list[torch.Tensor] = []
         scale = 1.0 / math.sqrt(self.head_dim)
         for s in range(2, steps + 1):
-            x = h
+            next_tokens = torch.cat([tokens[s:], tokens.new_zeros(s - 1)])  # t_{j+s} (padding past the end)
+            x = self.chain_input(h, next_tokens)
             q, k, v = self._qkv(x, pos + s - 1)
             diag_k.append(self._expand_kv(k))
             diag_v.append(self._expand_kv(v))
@@ -178,7 +204,8 @@ class LyannaDraftModel(nn.Module):
     def draft_chain(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
         """The trajectory h_1..h_steps after a context.
 
-        hidden: [p, hidden] H_0..H_{p-1}; tokens: [p + 1] t_0..t_p (t_p: the bonus token).
+        hidden: [p, hidden] H_0..H_{p-1}; tokens: t_0..t_p (t_p: the bonus token), followed by the
+        chain's own tokens t_{p+1}..t_{p+steps-1} for models whose later steps take a token (EAGLE).
         Returns [steps, hidden]; h_i predicts H_{p-1+i}.
         """
         p = hidden.shape[0]
@@ -192,11 +219,12 @@ class LyannaDraftModel(nn.Module):
         h = self._finish(x, out.transpose(0, 1))[-1:]
         traj = [h]
         for i in range(1, steps):
-            q, k, v = self._qkv(h, torch.tensor([p - 1 + i], device=hidden.device))
+            x = self.chain_input(h, tokens[p + i : p + i + 1])
+            q, k, v = self._qkv(x, torch.tensor([p - 1 + i], device=hidden.device))
             keys.append(self._expand_kv(k))
             values.append(self._expand_kv(v))
             K, V = torch.cat(keys).transpose(0, 1), torch.cat(values).transpose(0, 1)
             out = F.scaled_dot_product_attention(q.transpose(0, 1), K, V)
-            h = self._finish(h, out.transpose(0, 1))
+            h = self._finish(x, out.transpose(0, 1))
             traj.append(h)
         return torch.cat(traj)

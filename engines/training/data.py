@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from engines.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size))
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size, drafter="none"))
     if args.source == "sharegpt":
         examples: Iterable[Example] = sharegpt_examples(engine.tokenizer, args.split, args.max_len)
     else:

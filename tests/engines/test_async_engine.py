@@ -17,7 +17,7 @@ from tests.conftest import CHAT_PROMPTS
 @pytest.fixture(scope="module")
 def engine():
     """An engine of its own: once the loop thread drives it, no other thread may step it."""
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256))
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, drafter="none"))
 
 
 @pytest.fixture(scope="module")

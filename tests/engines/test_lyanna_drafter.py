@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.drafters.lyanna import save_lyanna
+from engines.drafters.checkpoint import save_draft_model
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
@@ -24,7 +24,7 @@ def lyanna_checkpoint(engine_fp32, tmp_path_factory):
         LyannaConfig(engine_fp32.model_config, token_info_rank=8), t.embed_tokens.weight.data, t.lm_head_weight.data
     )
     folder = tmp_path_factory.mktemp("lyanna")
-    save_lyanna(model, folder)
+    save_draft_model(model, folder)
     return str(folder)
 
 
@@ -106,10 +106,20 @@ def test_hot_vocabulary_drafter_keeps_greedy_output(engine_fp32, tmp_path):
         t.lm_head_weight.data,
         hot,
     )
-    save_lyanna(model, tmp_path)
+    save_draft_model(model, tmp_path)
     engine = lyanna_engine(str(tmp_path))
     assert torch.equal(engine.drafter.model.d2t, hot) and engine.drafter.model.lm_head.shape[0] == hot.numel()
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = engine.generate(CHAT_PROMPTS[:2], params)
     want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.slow
+def test_resampled_trees_verified_alone_without_fusion(lyanna_checkpoint, engine_fp32):
+    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8), lyanna_fusion=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS[:2], params)
+    want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.drafter.num_fused == 0 and engine.drafter.num_resampled_alone > 0

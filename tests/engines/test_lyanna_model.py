@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engines.config import ModelConfig
+from engines.drafters.eagle_model import EagleDraftModel
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 
 TARGET = ModelConfig(
@@ -80,3 +81,26 @@ def test_hot_vocabulary_head_selects_target_columns():
     clone.load_state_dict(small.state_dict())
     assert torch.equal(clone.d2t, hot)
     torch.testing.assert_close(clone.logits(h), small.logits(h))
+
+
+def test_eagle_training_unroll_equals_inference_chain_with_true_tokens():
+    torch.manual_seed(0)
+    emb = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    model = EagleDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
+    assert model.token_info is None and model.cfg.use_fusion
+    torch.manual_seed(1)
+    n, steps = 12, 4
+    hidden = torch.randn(n, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (n,))
+    with torch.no_grad():
+        preds = model.unroll(hidden, tokens, steps)
+    for p in range(1, n - steps + 1):  # chains whose later steps have a true token to take
+        chain = model.draft_chain(hidden[:p], tokens[: p + steps], steps)
+        for s in range(steps):
+            torch.testing.assert_close(preds[s][p - 1], chain[s], rtol=1e-4, atol=1e-5)
+    # Unlike Lyanna, the token drafted at a step changes every later state.
+    other = tokens.clone()
+    other[3] = (other[3] + 1) % TARGET.vocab_size
+    a, b = model.draft_chain(hidden[:2], tokens[:5], 3), model.draft_chain(hidden[:2], other[:5], 3)
+    torch.testing.assert_close(a[:1], b[:1])
+    assert not torch.allclose(a[1:], b[1:])

@@ -7,7 +7,7 @@ import torch
 from engines.config import ModelConfig
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.training.data import Example, ShardWriter
-from engines.training.train_lyanna import TrainConfig, evaluate, train
+from engines.training.train_drafter import TrainConfig, evaluate, train
 
 TARGET = ModelConfig(
     vocab_size=40,

@@ -1,14 +1,17 @@
-"""Train the Lyanna drafter by distillation from the target's hidden states.
+"""Train a hidden-state drafter (Lyanna, or the EAGLE baseline) by distillation from the target.
 
     loss = alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L))
 
 over every unrolled step s of every chain anchor j: h = h^s_j predicts the target state H_{j+s},
-l' = lm_head(h) + token_info(t_{j+s}) and L = lm_head(H_{j+s}) (recomputed from the frozen head, so
-shards store hidden states only). Positions count where the token H_{j+s} predicts is an assistant
-token. Adam with a linearly decaying learning rate; checkpoints hold model and optimizer state, so a
-stopped run resumes where it was.
+l' = lm_head(h) + token_info(t_{j+s}) (Lyanna; EAGLE has no token info) and L = lm_head(H_{j+s})
+(recomputed from the frozen head, so shards store hidden states only). Positions count where the
+token H_{j+s} predicts is an assistant token. Adam with a linearly decaying learning rate;
+checkpoints hold model and optimizer state, so a stopped run resumes where it was.
 
-    python -m engines.training.train_lyanna --data DIR [--val-data DIR] --out DIR --steps 4 --epochs 2
+    python -m engines.training.train_drafter --kind lyanna --data DIR [--val-data DIR] --out DIR --steps 3 --epochs 2
+
+Both kinds train with the same unroll: each step runs on the previous step's own prediction, as
+at inference (EAGLE's steps also take the true next token, which is what an accepted path holds).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engines.drafters.lyanna import save_lyanna
+from engines.drafters.checkpoint import new_draft_model, save_draft_model, save_hot_tokens
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
-from engines.training.data import load_shard
+from engines.drafters.token_info import hot_tokens
+from engines.training.data import hot_token_counts, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 20
     checkpoint_every: int = 200
+    max_examples: int = 0  # training sequences per epoch (0: all), for quick comparisons
 
 
 def distill_loss(
@@ -125,7 +130,7 @@ def save_checkpoint(
 ) -> None:
     """A loadable drafter folder (weights + config) with optimizer state and progress beside it:
     `step` optimizer steps taken, `seen` training sequences consumed (some take no step)."""
-    save_lyanna(model, out, {"train": asdict(cfg)} | extra)
+    save_draft_model(model, out, {"train": asdict(cfg)} | extra)
     torch.save({"optimizer": opt.state_dict(), "step": step, "seen": seen}, out / "train_state.pt")
 
 
@@ -138,7 +143,8 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=cfg.lr)
     index = json.loads((Path(data_dir) / "index.json").read_text())
-    total = index["num_examples"] * cfg.epochs
+    per_epoch = min(index["num_examples"], cfg.max_examples or index["num_examples"])
+    total = per_epoch * cfg.epochs
     step = done = 0
     if (out / "train_state.pt").exists():
         model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
@@ -151,7 +157,9 @@ def train(
     start = time.monotonic()
     seen = 0
     for epoch in range(cfg.epochs):
-        for h, t, m in iter_sequences(data_dir, cfg.max_seq, cfg.seed + epoch):
+        for k, (h, t, m) in enumerate(iter_sequences(data_dir, cfg.max_seq, cfg.seed + epoch)):
+            if k == per_epoch:
+                break
             seen += 1
             if seen <= done:
                 continue  # consumed before the resume
@@ -184,8 +192,9 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Train a Lyanna drafter for the embedded target (or --model) from prepared feature shards."""
+    """Train a drafter for the embedded target (or --model) from prepared feature shards."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=["lyanna", "eagle"], default="lyanna")
     ap.add_argument("--data", required=True)
     ap.add_argument("--val-data", default=None)
     ap.add_argument("--out", required=True)
@@ -207,10 +216,17 @@ def main(argv: list[str] | None = None) -> None:
 
     target = load_model(args.model, dtype="float32")
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+    counts = hot_token_counts(args.data)
+    save_hot_tokens(args.out, counts)
+    hot = hot_tokens(counts, args.draft_vocab) if args.draft_vocab else None
     draft_cfg = LyannaConfig(
-        target.config, token_info_rank=args.rank, use_fusion=not args.no_fusion, use_token_info=not args.no_token_info
+        target.config,
+        token_info_rank=args.rank,
+        use_fusion=not args.no_fusion,
+        use_token_info=not args.no_token_info,
+        draft_vocab=args.draft_vocab,
     )
-    model = LyannaDraftModel(draft_cfg, target.model.embed_tokens.weight.data, target.model.lm_head_weight.data)
+    model = new_draft_model(args.kind, draft_cfg, target.model, hot)
     print(json.dumps(train(model, args.data, args.out, cfg, args.val_data)))
 
 

@@ -1,0 +1,112 @@
+"""Draft-step latency breakdown: Lyanna's one-pass LM head vs a per-step head, Lyanna vs EAGLE.
+
+    python -m engines.draft_latency --prompts FILE.jsonl --num-prompts 4 --depth 3 --width 4 --budget 16
+
+For each prompt, both drafters see the same prefilled context; then, in interleaved rounds, the
+pieces of one draft step are timed (median milliseconds over rounds and prompts):
+
+- lyanna.layer: the decoder-layer steps h_1..h_N (context already cached)
+- lyanna.head_one_pass: one LM-head GEMM over [h_1..h_N]
+- lyanna.head_per_step: N LM-head GEMMs of one row each (what a per-step head would cost)
+- lyanna.tree: Algorithm 1 (token info, top-k, pruning) on the logits
+- lyanna.draft: the whole proposal; eagle.draft: EAGLE-2's whole proposal (one layer forward and one
+  LM head per depth over the frontier); eagle.head: its LM-head calls alone (same shapes)
+
+The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engines.datasets import read_prompt_file
+from engines.drafters.token_info_sampling import token_info_tree
+from engines.engine import EngineConfig, LLMEngine
+from engines.request import Request
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def draft_pieces(lyanna, eagle, lreq: Request, ereq: Request, spec: SpecParams) -> dict[str, Callable[[], object]]:
+    """The timed pieces of one draft step for a request whose context both drafters have cached."""
+    m = lyanna.model
+    traj = lyanna.trajectory(lreq, spec.depth)
+    logits = m.logits(traj)
+    root = lreq.token_ids(lreq.num_tokens - 1, lreq.num_tokens)[0]
+    frontier_h = traj[:1].expand(spec.width, -1).contiguous()
+    return {
+        "lyanna.layer": lambda: lyanna.trajectory(lreq, spec.depth),
+        "lyanna.head_one_pass": lambda: m.logits(traj),
+        "lyanna.head_per_step": lambda: [m.logits(traj[i : i + 1]) for i in range(spec.depth)],
+        "lyanna.tree": lambda: token_info_tree(logits, root, lyanna.token_info, spec.width, spec.budget, m.d2t),
+        "lyanna.draft": lambda: lyanna.propose([lreq], [spec]),
+        "eagle.draft": lambda: eagle.propose([ereq], [spec]),
+        "eagle.head": lambda: [eagle._top_children(frontier_h, spec.width) for _ in range(spec.depth)],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the draft-step pieces and print the medians as JSON."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
+    ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
+    args = ap.parse_args(argv)
+    spec = SpecParams(depth=args.depth, width=args.width, budget=args.budget)
+
+    def engine(drafter: str, checkpoint: str | None) -> LLMEngine:
+        return LLMEngine(EngineConfig(dtype=args.dtype, drafter=drafter, draft_model=checkpoint, spec=spec))
+
+    lyanna_engine, eagle_engine = engine("lyanna", args.lyanna), engine("eagle", args.eagle)
+    lyanna, eagle = lyanna_engine.drafter, eagle_engine.drafter
+    times: dict[str, list[float]] = {}
+    records = read_prompt_file(args.prompts)[: args.num_prompts]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with torch.inference_mode():
+        for rec in records:
+            lreq = lyanna_engine.add_request(rec["messages"], params, spec=spec)
+            ereq = eagle_engine.add_request(rec["messages"], params, spec=spec)
+            lyanna_engine.step()  # prefill: both drafters now hold the context's hidden states
+            eagle_engine.step()
+            lyanna.propose([lreq], [spec])
+            eagle.propose([ereq], [spec])  # context K/V cached; what follows is one draft step
+            pieces = draft_pieces(lyanna, eagle, lreq, ereq, spec)
+            for _ in range(args.rounds):
+                for name, fn in pieces.items():
+                    times.setdefault(name, []).append(_ms(fn))
+            for eng in (lyanna_engine, eagle_engine):
+                while eng.has_unfinished():
+                    eng.step()
+    result = {name: statistics.median(v) for name, v in times.items()}
+    result["lyanna_vs_eagle_draft"] = result["lyanna.draft"] / result["eagle.draft"]
+    result["head_one_pass_vs_per_step"] = result["lyanna.head_one_pass"] / result["lyanna.head_per_step"]
+    table = lyanna.token_info
+    result["token_info_table_bytes"] = getattr(table, "nbytes", 0)
+    result["token_info_table_rows"] = getattr(table, "num_hot", 0)
+    result |= {"depth": args.depth, "width": args.width, "budget": args.budget, "dtype": args.dtype}
+    for name, v in result.items():
+        print(f"{name:28s} {v:.3f}" if isinstance(v, float) else f"{name:28s} {v}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The EAGLE-2-style baseline drafter in the engine (random weights: plumbing, tree growth, losslessness)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.drafters.checkpoint import load_draft_model, save_draft_model
+from engines.drafters.eagle_model import EagleDraftModel
+from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from engines.training.data import target_hidden_states
+from tests.conftest import CHAT_PROMPTS
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def eagle_checkpoint(engine_fp32, tmp_path_factory):
+    torch.manual_seed(0)
+    t = engine_fp32.model
+    cfg = LyannaConfig(engine_fp32.model_config, token_info_rank=8)
+    model = EagleDraftModel(cfg, t.embed_tokens.weight.data, t.lm_head_weight.data)
+    folder = tmp_path_factory.mktemp("eagle")
+    save_draft_model(model, folder)
+    return str(folder)
+
+
+def eagle_engine(checkpoint, **overrides) -> LLMEngine:
+    cfg = {
+        "dtype": "float32",
+        "num_kv_blocks": 256,
+        "drafter": "eagle",
+        "draft_model": checkpoint,
+        "spec": SpecParams(depth=3, width=3, budget=8),
+    } | overrides
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def test_width_one_tree_is_the_greedy_draft_chain(eagle_checkpoint):
+    engine = eagle_engine(eagle_checkpoint)
+    req = engine.add_request(CHAT_PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()
+    engine.step()
+    tree = engine.drafter.grow(req, 4, 1)
+    assert tree.parents == [-1, 0, 1, 2, 3]
+    tokens = req.token_ids(0, req.num_tokens)
+    hidden = target_hidden_states(engine.model, tokens[:-1])
+    model = engine.drafter.model
+    drafted: list[int] = []
+    for d in range(1, 5):  # each step's argmax feeds the next step, as EAGLE drafts
+        chain = model.draft_chain(hidden, torch.tensor(tokens + drafted), d)
+        drafted.append(int(model.logits(chain[-1:]).argmax()))
+    assert tree.tokens[1:] == drafted
+    assert tree.scores == sorted(tree.scores, reverse=True)  # joint probabilities shrink along a chain
+
+
+def test_trees_grow_k_squared_candidates_per_depth_and_prune_to_budget(eagle_checkpoint):
+    engine = eagle_engine(eagle_checkpoint)
+    req = engine.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    engine.step()
+    calls = engine.drafter.lm_head_calls
+    full = engine.drafter.grow(req, 3, 3)
+    assert engine.drafter.lm_head_calls - calls == 3  # one LM-head GEMM per depth
+    assert full.size == 1 + 3 + 9 + 9
+    expanded = {p for p in full.parents if p >= 0}
+    for d in (1, 2):  # the expanded nodes at each depth are that depth's top-k by joint probability
+        at_d = [i for i in range(full.size) if full.depths[i] == d]
+        best = sorted(at_d, key=lambda i: -full.scores[i])[:3]
+        assert expanded & set(at_d) == set(best)
+    pruned = engine.drafter.propose([req], [SpecParams(depth=3, width=3, budget=8)])[0]
+    assert pruned.size == 9
+
+
+@pytest.mark.slow
+def test_greedy_eagle_speculation_equals_autoregressive(eagle_checkpoint, engine_fp32):
+    engine = eagle_engine(eagle_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = engine.generate(CHAT_PROMPTS, params)
+    want = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.stats().spec.num_steps > 0 and engine.stats().kv_free_blocks == 256
+
+
+def test_checkpoint_kind_is_checked(eagle_checkpoint, engine_fp32):
+    assert isinstance(load_draft_model(eagle_checkpoint, engine_fp32), EagleDraftModel)
+    with pytest.raises(ValueError, match="holds a 'eagle' drafter"):
+        load_draft_model(eagle_checkpoint, engine_fp32, kind="lyanna")
+    assert type(load_draft_model(eagle_checkpoint, engine_fp32, kind="eagle")) is not LyannaDraftModel
