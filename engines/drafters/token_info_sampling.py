@@ -35,25 +35,28 @@ def build_subtree(
     come before their children.
     """
     tokens, parents, scores = [root], [-1], [1.0]
-    frontier = torch.tensor([0])  # node indices
+    frontier = [0]  # node indices
+    frontier_tokens = torch.tensor([root], device=logits.device)
+    frontier_scores = torch.ones(1, device=logits.device)
     for step in range(logits.shape[0]):
-        frontier_tokens = torch.tensor([tokens[i] for i in frontier.tolist()])
-        raw = logits[step].float().unsqueeze(0).expand(len(frontier_tokens), -1)
-        probs = torch.softmax(raw if token_info is None else raw + token_info(frontier_tokens).float(), dim=-1)
-        top_p, top_tok = probs.topk(k, dim=-1)  # [F, k]
+        raw = logits[step].float().unsqueeze(0)
+        z = raw if token_info is None else raw + token_info(frontier_tokens).float()  # [F or 1, vocab]
+        top_z, top_tok = z.topk(k, dim=-1)
+        top_p = (top_z - z.logsumexp(-1, keepdim=True)).exp().expand(len(frontier), k)  # softmax's top-k
+        top_tok = top_tok.expand(len(frontier), k)
         if d2t is not None:
             top_tok = d2t[top_tok]
-        parent_joint = torch.tensor([scores[i] for i in frontier.tolist()]).unsqueeze(1)
-        joint = (parent_joint * top_p).flatten()  # [F * k]
+        joint = (frontier_scores.unsqueeze(1) * top_p).flatten()  # [F * k]
+        new_tokens, new_scores = top_tok.flatten(), joint.tolist()
         first_new = len(tokens)
-        for f, node in enumerate(frontier.tolist()):
-            for j in range(k):
-                tokens.append(int(top_tok[f, j]))
-                parents.append(node)
-                scores.append(float(joint[f * k + j]))
+        tokens += new_tokens.tolist()
+        parents += [node for node in frontier for _ in range(k)]
+        scores += new_scores
         # The next frontier: the k candidates with the highest joint probability (ties: first listed).
-        keep = sorted(range(joint.numel()), key=lambda c: (-float(joint[c]), c))[:k]
-        frontier = torch.tensor(sorted(first_new + c for c in keep))
+        keep = sorted(sorted(range(len(new_scores)), key=lambda c: (-new_scores[c], c))[:k])
+        frontier = [first_new + c for c in keep]
+        index = torch.tensor(keep, device=logits.device)
+        frontier_tokens, frontier_scores = new_tokens[index], joint[index]
     return DraftTree(tokens, parents, scores)
 
 
