@@ -29,7 +29,7 @@ def parse_drafter(text: str) -> tuple[str, EngineConfig]:
     dense = parts[-1] == "dense"
     if dense:
         parts = parts[:-1]
-    kind, checkpoint = parts[0], (parts[1] if len(parts) > 1 else None)
+    kind, checkpoint = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
     extra = {"lyanna_token_info_rows": 0} if dense else {}
     return label, EngineConfig(drafter=kind, draft_model=checkpoint, **extra)
 

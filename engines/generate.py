@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engines.engine import EngineConfig, LLMEngine
+from engines.engine import DRAFTERS, EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--drafter", default="none", choices=["none", "ngram", "draft-model"])
-    ap.add_argument("--draft-model", default=None, help="draft model checkpoint for --drafter draft-model")
-    ap.add_argument("--depth", type=int, default=4, help="draft tree depth")
-    ap.add_argument("--width", type=int, default=2, help="children per draft node at most")
-    ap.add_argument("--budget", type=int, default=8, help="draft tokens verified per step at most")
+    ap.add_argument("--drafter", default="lyanna", choices=sorted(DRAFTERS), help="default: the shipped Lyanna")
+    ap.add_argument(
+        "--draft-model", default=None, help="checkpoint for --drafter draft-model / lyanna / eagle (default: shipped)"
+    )
+    ap.add_argument("--depth", type=int, default=SpecParams.depth, help="draft tree depth")
+    ap.add_argument("--width", type=int, default=SpecParams.width, help="children per draft node at most")
+    ap.add_argument("--budget", type=int, default=SpecParams.budget, help="draft tokens verified per step at most")
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

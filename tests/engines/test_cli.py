@@ -87,3 +87,22 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
     assert "speedup_vs_hf" in out["configs"]["hf-prompt-lookup"]
     # fp32 greedy on equal work: the implementations agree on most prompts.
     assert out["identical_to_hf"] >= 0.5 and ngram["identical_to_none"] >= 0.5
+
+
+@pytest.mark.slow
+def test_acceptance_and_draft_latency_clis_report_every_drafter(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    write_prompt_file(sharegpt_prompts(2, max_chars=300, split="val"), prompts)
+    res = run(
+        "engines.acceptance", "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12",
+        "--drafter", "lyanna=lyanna", "--drafter", "dense=lyanna::dense", "--drafter", "eagle=eagle",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    assert set(rows) == {"lyanna", "dense", "eagle"}
+    assert all(1 <= len(r["acceptance_by_depth"]) <= 3 and r["mean_accepted_tokens"] >= 1.0 for r in rows.values())
+    assert "| lyanna |" in res.stdout
+    res = run("engines.draft_latency", "--prompts", str(prompts), "--num-prompts", "1", "--rounds", "2")
+    assert res.returncode == 0, res.stderr
+    lat = json.loads(res.stdout.strip().splitlines()[-1])
+    assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info_table_rows"] == 1024
