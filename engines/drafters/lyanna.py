@@ -120,42 +120,72 @@ class LyannaDrafter(Drafter):
     @torch.no_grad()
     def trajectory(self, req: Request, steps: int) -> torch.Tensor | None:
         """h_1..h_steps for the request's current root ([steps, hidden]), or None without context."""
-        st = self.states.get(req.request_id)
-        if st is None or len(st.hidden) < req.num_tokens - 1:
-            return None  # the target has not produced the states this draft needs
-        self._advance_context(req, st)
-        if st.last_out is None:
-            return None
+        return self.trajectories([req], steps)[0]
+
+    @torch.no_grad()
+    def trajectories(self, requests: list[Request], steps: int) -> list[torch.Tensor | None]:
+        """`trajectory` for several requests, their layer steps batched into one forward per step
+        (each request attends to its own context: K/V padded to the longest, masked)."""
+        ready: list[tuple[int, Request, _State]] = []
+        for i, req in enumerate(requests):
+            st = self.states.get(req.request_id)
+            if st is None or len(st.hidden) < req.num_tokens - 1:
+                continue  # the target has not produced the states this draft needs
+            self._advance_context(req, st)
+            if st.last_out is not None:
+                ready.append((i, req, st))
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        if not ready:
+            return out
         m = self.model
-        keys, values = st.keys, st.values
-        h = st.last_out
+        h = torch.cat([st.last_out for _, _, st in ready])  # [B, hidden]
+        lens = [st.keys.shape[0] for _, _, st in ready]
+        width = max(lens) + steps - 1
+        keys = h.new_zeros(len(ready), width, m.num_heads, m.head_dim)
+        values = torch.zeros_like(keys)
+        valid = torch.zeros(len(ready), width, dtype=torch.bool, device=h.device)
+        for b, (_, _, st) in enumerate(ready):
+            keys[b, : lens[b]], values[b, : lens[b]], valid[b, : lens[b]] = st.keys, st.values, True
+        pos = torch.tensor([req.num_tokens - 2 for _, req, _ in ready], device=h.device)
         traj = [h]
-        pos = req.num_tokens - 2
         for i in range(1, steps):
-            q, k, v = m._qkv(h, torch.tensor([pos + i], device=h.device))
-            keys, values = torch.cat([keys, m._expand_kv(k)]), torch.cat([values, m._expand_kv(v)])
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-            )
-            h = m._finish(h, out.transpose(0, 1))
+            q, k, v = m._qkv(h, pos + i)  # q: [B, heads, d]; k, v: [B, kv_heads, d]
+            col = max(lens) + i - 1
+            keys[:, col], values[:, col], valid[:, col] = m._expand_kv(k), m._expand_kv(v), True
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                keys[:, : col + 1].transpose(1, 2),
+                values[:, : col + 1].transpose(1, 2),
+                attn_mask=valid[:, None, None, : col + 1],
+            )  # [B, heads, 1, d]
+            h = m._finish(h, attn.squeeze(2))
             traj.append(h)
-        return torch.cat(traj)
+        stacked = torch.stack(traj, dim=1)  # [B, steps, hidden]
+        for b, (i, _, _) in enumerate(ready):
+            out[i] = stacked[b]
+        return out
 
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
-        trees: list[DraftTree | None] = []
-        for req, spec in zip(requests, specs, strict=True):
+        trees: list[DraftTree | None] = [None] * len(requests)
+        drafting: list[int] = []
+        for i, (req, spec) in enumerate(zip(requests, specs, strict=True)):
             st = self.states.get(req.request_id)
             if not self.fusion and st is not None and st.resampled is not None:
                 # Without verification fusion the re-sampled tree takes this step's place (no drafter forward).
-                tree, st.resampled, st.logits = st.resampled.prune(spec.budget + 1), None, None
+                trees[i], st.resampled, st.logits = st.resampled.prune(spec.budget + 1), None, None
                 self.num_resampled_alone += 1
-                trees.append(tree)
-                continue
-            traj = self.trajectory(req, spec.depth)
-            if traj is None:
-                trees.append(None)
-                continue
-            logits = self.model.logits(traj)  # one GEMM for every step
+            else:
+                drafting.append(i)
+        if not drafting:
+            return trees
+        depth = max(specs[i].depth for i in drafting)
+        trajs = self.trajectories([requests[i] for i in drafting], depth)
+        done = [(i, t[: specs[i].depth]) for i, t in zip(drafting, trajs, strict=True) if t is not None]
+        if not done:
+            return trees
+        all_logits = self.model.logits(torch.cat([t for _, t in done]))  # one LM-head GEMM for every step
+        for (i, _), logits in zip(done, all_logits.split([specs[i].depth for i, _ in done]), strict=True):
+            req, spec = requests[i], specs[i]
             root = req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
             tree = token_info_tree(logits, root, self.token_info, spec.width, spec.budget, self.model.d2t)
             st = self.states[req.request_id]
@@ -164,5 +194,5 @@ class LyannaDrafter(Drafter):
                 tree = merge_trees(tree, st.resampled).prune(spec.budget + 1)
                 self.num_fused += 1
             st.logits, st.resampled = logits, None
-            trees.append(tree)
+            trees[i] = tree
         return trees

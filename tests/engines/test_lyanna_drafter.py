@@ -53,6 +53,17 @@ def test_incremental_trajectory_equals_full_recomputation(lyanna_checkpoint):
         torch.testing.assert_close(traj, want, rtol=1e-4, atol=1e-4)
 
 
+def test_batched_trajectories_equal_each_request_alone(lyanna_checkpoint):
+    engine = lyanna_engine(lyanna_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
+    engine.step()
+    engine.step()
+    batched = engine.drafter.trajectories(reqs, 4)
+    for req, got in zip(reqs, batched, strict=True):
+        torch.testing.assert_close(got, engine.drafter.trajectories([req], 4)[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_greedy_lyanna_speculation_equals_autoregressive(lyanna_checkpoint, engine_fp32):
     engine = lyanna_engine(lyanna_checkpoint)
