@@ -1,0 +1,1 @@
+"""The HTTP layer: OpenAI-compatible API on Ray Serve."""

@@ -1,0 +1,91 @@
+"""The API edge: request bodies parse, map onto engine settings, and bad ones fail with the field named."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engines.errors import InvalidRequestError
+from engines.spec_params import SpecParams
+from serve_app.schemas import ChatCompletionChunk, ChatCompletionRequest, ErrorResponse
+
+VOCAB = 49152
+BASE = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_full_request_maps_onto_engine_settings():
+    req = ChatCompletionRequest.model_validate(
+        BASE
+        | {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
+            ],
+            "max_tokens": 50,
+            "max_completion_tokens": 20,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "seed": 7,
+            "stop": "\n\n",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "u1",
+            "speculation": {"depth": 2, "budget": 4},
+            "slo": {"class": "tight", "tpot_ms": 50},
+        }
+    )
+    p = req.sampling_params(VOCAB)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.7, 0.9, 40, 0.05, 7)
+    assert p.max_tokens == 20 and p.stop == ["\n\n"]  # max_completion_tokens wins over max_tokens
+    assert req.conversation() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, you"},
+    ]
+    assert req.spec_params(SpecParams(depth=3, width=2, budget=6)) == SpecParams(depth=2, width=2, budget=4)
+    assert req.slo.slo_class == "tight" and req.stream_options.include_usage
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m"},  # no messages
+        BASE | {"messages": []},
+        BASE | {"messages": [{"role": "tool", "content": "x"}]},
+        BASE | {"messages": "hi"},
+        BASE | {"temperature": "hot"},
+        BASE | {"stop": 3},
+        BASE | {"logprobs_please": True},  # unknown field
+        BASE | {"speculation": {"depth": "deep"}},
+        BASE | {"slo": {"tpot_ms": -5}},
+    ],
+)
+def test_malformed_bodies_are_rejected_by_the_schema(body):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 3}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"speculation": {"depth": 0}}, "speculation.depth"),
+    ],
+)
+def test_impossible_values_name_their_field(extra, param):
+    req = ChatCompletionRequest.model_validate(BASE | extra)
+    with pytest.raises(InvalidRequestError) as err:
+        req.sampling_params(VOCAB)
+        req.spec_params(SpecParams())
+    assert err.value.param == param
+
+
+def test_response_bodies_serialise_like_openai():
+    chunk = ChatCompletionChunk(id="c1", created=1, model="m", choices=[{"delta": {"content": "x"}}])
+    assert chunk.model_dump(exclude_none=True)["choices"][0] == {"index": 0, "delta": {"content": "x"}}
+    err = ErrorResponse.model_validate({"error": {"message": "bad", "type": "invalid_request_error", "param": "n"}})
+    assert err.model_dump()["error"]["code"] is None
