@@ -18,6 +18,7 @@ from engines.engine import LLMEngine
 from engines.errors import EngineDeadError, InvalidRequestError
 from engines.request import Request, RequestOutput
 from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        spec: SpecParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate, queue and stream one request's deltas until it finishes.
 
@@ -55,7 +57,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
-        req = self.engine.make_request(messages, params, request_id, prompt_token_ids)
+        req = self.engine.make_request(messages, params, request_id, prompt_token_ids, spec)
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -1,0 +1,140 @@
+"""The ingress deployment: FastAPI speaking OpenAI's chat-completions API in front of LLM replicas.
+
+(No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.)
+"""
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.schemas import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChunkChoice,
+    DeltaMessage,
+    SpeculationStats,
+    Usage,
+)
+
+log = logging.getLogger("serve_app.ingress")
+app = FastAPI(title="lyanna-serve")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error body with an HTTP status."""
+    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}.get(status, "error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _usage(item: dict[str, Any]) -> Usage:
+    return Usage(
+        prompt_tokens=item["prompt_tokens"],
+        completion_tokens=item["completion_tokens"],
+        total_tokens=item["prompt_tokens"] + item["completion_tokens"],
+    )
+
+
+def _spec_stats(item: dict[str, Any]) -> SpeculationStats:
+    steps = item["spec_steps"]
+    per_step = (item["accepted_tokens"] + steps) / steps if steps else 1.0
+    return SpeculationStats(
+        target_forwards=item["target_forwards"],
+        draft_tokens=item["draft_tokens"],
+        accepted_tokens=item["accepted_tokens"],
+        accepted_tokens_per_step=per_step,
+    )
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    """Validates requests, streams from an LLM replica, answers in OpenAI's formats."""
+
+    def __init__(self, llm: DeploymentHandle, served_model_name: str = "smollm2-135m-instruct"):
+        self.llm = llm.options(stream=True)
+        self.model_name = served_model_name
+        self.created = int(time.time())
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 once the replicas are up (Ray Serve only routes to replicas that passed their checks)."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        """The served model."""
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lyanna-serve"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        """OpenAI chat completions, streaming (SSE) or not."""
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return error_response(400, f"request body is not valid JSON: {e}")
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            return error_response(400, f"{param}: {first['msg']}", param=param, code="invalid_request")
+        if req.model != self.model_name:
+            return error_response(404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self.llm.generate.remote(body, rid)
+        first = await anext(stream)
+        if "error" in first:
+            stream.cancel()
+            err = first["error"]
+            return error_response(first["status"], err["message"], err["param"], err["code"])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._sse(rid, first, stream, include_usage), media_type="text/event-stream")
+        text, last = first["text"], first
+        async for item in stream:
+            text += item["text"]
+            last = item
+        return ChatCompletionResponse(
+            id=rid,
+            model=self.model_name,
+            choices=[Choice(message=AssistantMessage(content=text), finish_reason=last["finish_reason"])],
+            usage=_usage(last),
+            speculation=_spec_stats(last),
+        ).model_dump()
+
+    async def _sse(self, rid: str, first: dict[str, Any], stream, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def event(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+            chunk = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+            return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+        try:
+            yield event([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+            item = first
+            while True:
+                if item["text"]:
+                    yield event([ChunkChoice(delta=DeltaMessage(content=item["text"]))])
+                if item["finish_reason"] is not None:
+                    yield event([ChunkChoice(delta=DeltaMessage(), finish_reason=item["finish_reason"])])
+                    if include_usage:
+                        yield event([], _usage(item))
+                    break
+                item = await anext(stream)
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # a client that went away: the replica aborts the request and frees its blocks
