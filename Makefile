@@ -2,11 +2,16 @@
 PY ?= python3
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: setup run test lint bench
+.PHONY: setup run generate test lint bench
 setup:
 	PYTHON=$(PY) bash scripts/setup.sh
 
+# The OpenAI-compatible server on 127.0.0.1:8000 (embedded model + shipped Lyanna drafter).
 run: setup
+	serve run serve_config.yaml
+
+# One completion offline, without the server.
+generate: setup
 	$(PY) -m engines.generate --prompt "$(PROMPT)"
 
 test: setup

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
 
 
+class AppArgs(BaseModel):
+    """The application's arguments (`args:` in serve_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ingress -> LLM replicas, with the engine settings given as application arguments."""
-    args = dict(args or {})
-    settings = EngineSettings.model_validate(args.get("engine", {}))
-    replica = LLMReplica.bind(settings.model_dump())
-    return Ingress.bind(replica, settings.served_model_name)
+    parsed = AppArgs.model_validate(args or {})
+    replica = LLMReplica.bind(parsed.engine.model_dump())
+    return Ingress.bind(replica, parsed.engine.served_model_name)
