@@ -65,6 +65,7 @@ class Ingress:
 
     def __init__(self, llm: DeploymentHandle, served_model_name: str = "smollm2-135m-instruct"):
         self.llm = llm.options(stream=True)
+        self.llm_unary = llm
         self.model_name = served_model_name
         self.created = int(time.time())
 
@@ -72,6 +73,11 @@ class Ingress:
     async def health(self) -> JSONResponse:
         """200 once the replicas are up (Ray Serve only routes to replicas that passed their checks)."""
         return JSONResponse({"status": "ok"})
+
+    @app.get("/debug/engine")
+    async def engine_stats(self) -> dict[str, Any]:
+        """One replica's load: running and waiting requests, free KV blocks."""
+        return await self.llm_unary.stats.remote()
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import httpx
 import openai
@@ -11,6 +13,8 @@ import pytest
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from serve_app.app import build_app
+from serve_app.ingress import Ingress
+from serve_app.replica import LLMReplica
 
 MODEL = "smollm2-135m-instruct"
 ENGINE = {"dtype": "float32", "num_kv_blocks": 256}
@@ -31,9 +35,12 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # logical CPUs: 3 replicas
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/")
+    # A second application with two LLM replicas behind one ingress, for the concurrency test.
+    two = Ingress.bind(LLMReplica.options(num_replicas=2).bind(ENGINE), MODEL)
+    serve.run(two, name="two", route_prefix="/two")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -103,3 +110,39 @@ def test_malformed_json_is_a_400(base_url):
 def test_models_and_health(base_url):
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert [m["id"] for m in httpx.get(f"{base_url}/v1/models").json()["data"]] == [MODEL]
+
+
+def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url):
+    idle = httpx.get(f"{base_url}/debug/engine").json()
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 0.8, "seed": 1}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as res:
+        lines = res.iter_lines()
+        for _ in range(6):  # a few events in: the request holds KV blocks now
+            next(lines)
+        busy = httpx.get(f"{base_url}/debug/engine").json()
+    assert busy["num_running"] == 1 and busy["kv_free_blocks"] < idle["kv_free_blocks"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = httpx.get(f"{base_url}/debug/engine").json()
+        if now["num_running"] == 0 and now["kv_free_blocks"] == idle["kv_free_blocks"]:
+            break
+        time.sleep(0.2)
+    assert now == idle
+
+
+def test_sixteen_concurrent_streams_across_two_replicas_match_offline(base_url):
+    prompts = [[{"role": "user", "content": f"Give me fact number {i} about the sea."}] for i in range(16)]
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/two/v1", api_key="none")
+
+    async def one(messages) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=16, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(m) for m in prompts))
+
+    got = asyncio.run(all_of_them())
+    offline = LLMEngine(EngineConfig(**ENGINE)).generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert got == [o.text for o in offline]
