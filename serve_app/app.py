@@ -23,4 +23,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ingress -> LLM replicas, with the engine settings given as application arguments."""
     parsed = AppArgs.model_validate(args or {})
     replica = LLMReplica.bind(parsed.engine.model_dump())
-    return Ingress.bind(replica, parsed.engine.served_model_name)
+    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter)

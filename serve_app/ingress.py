@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.metrics import ServeMetrics
 from serve_app.schemas import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -63,10 +65,11 @@ def _spec_stats(item: dict[str, Any]) -> SpeculationStats:
 class Ingress:
     """Validates requests, streams from an LLM replica, answers in OpenAI's formats."""
 
-    def __init__(self, llm: DeploymentHandle, served_model_name: str = "smollm2-135m-instruct"):
+    def __init__(self, llm: DeploymentHandle, served_model_name: str = "smollm2-135m-instruct", drafter: str = "none"):
         self.llm = llm.options(stream=True)
         self.llm_unary = llm
         self.model_name = served_model_name
+        self.metrics = ServeMetrics(served_model_name, drafter)
         self.created = int(time.time())
 
     @app.get("/health")
@@ -79,6 +82,12 @@ class Ingress:
         """One replica's load: running and waiting requests, free KV blocks."""
         return await self.llm_unary.stats.remote()
 
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        """Prometheus metrics (engine gauges refreshed from one replica)."""
+        self.metrics.observe_engine(await self.llm_unary.stats.remote())
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         """The served model."""
@@ -88,6 +97,12 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         """OpenAI chat completions, streaming (SSE) or not."""
+        start = time.perf_counter()
+        response = await self._chat(request, start)
+        self.metrics.observe_status(response.status_code)
+        return response
+
+    async def _chat(self, request: Request, start: float):
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
@@ -107,22 +122,30 @@ class Ingress:
             stream.cancel()
             err = first["error"]
             return error_response(first["status"], err["message"], err["param"], err["code"])
+        first_time = time.perf_counter() if first["completion_tokens"] else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(rid, first, stream, include_usage), media_type="text/event-stream")
+            events = self._sse(rid, first, stream, include_usage, start, first_time)
+            return StreamingResponse(events, media_type="text/event-stream")
         text, last = first["text"], first
         async for item in stream:
+            if first_time is None and item["completion_tokens"]:
+                first_time = time.perf_counter()
             text += item["text"]
             last = item
-        return ChatCompletionResponse(
+        self.metrics.observe_finished(last, start, first_time, time.perf_counter())
+        body = ChatCompletionResponse(
             id=rid,
             model=self.model_name,
             choices=[Choice(message=AssistantMessage(content=text), finish_reason=last["finish_reason"])],
             usage=_usage(last),
             speculation=_spec_stats(last),
-        ).model_dump()
+        )
+        return JSONResponse(body.model_dump())
 
-    async def _sse(self, rid: str, first: dict[str, Any], stream, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self, rid: str, first: dict[str, Any], stream, include_usage: bool, start: float, first_time: float | None
+    ) -> AsyncIterator[str]:
         created = int(time.time())
 
         def event(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
@@ -141,6 +164,9 @@ class Ingress:
                         yield event([], _usage(item))
                     break
                 item = await anext(stream)
+                if first_time is None and item["completion_tokens"]:
+                    first_time = time.perf_counter()
+            self.metrics.observe_finished(item, start, first_time, time.perf_counter())
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request and frees its blocks

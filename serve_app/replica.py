@@ -101,7 +101,12 @@ class LLMReplica:
     def stats(self) -> dict[str, Any]:
         """Engine load: running/waiting requests and KV blocks (tests and debugging)."""
         s = self.engine.stats()
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_free_blocks": s.kv_free_blocks}
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_free_blocks": s.kv_free_blocks,
+            "kv_cache_usage": s.kv_cache_usage,
+        }
 
     def check_health(self) -> None:
         """Ray Serve's health check: the engine loop must be alive."""

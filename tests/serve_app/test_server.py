@@ -146,3 +146,28 @@ def test_sixteen_concurrent_streams_across_two_replicas_match_offline(base_url):
     got = asyncio.run(all_of_them())
     offline = LLMEngine(EngineConfig(**ENGINE)).generate(prompts, SamplingParams(temperature=0, max_tokens=16))
     assert got == [o.text for o in offline]
+
+
+def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 2})
+    text = httpx.get(f"{base_url}/metrics").text
+    labels = f'drafter="lyanna",model="{MODEL}"'
+    for name in (
+        "lyanna_ttft_seconds_count",
+        "lyanna_tpot_seconds_count",
+        "lyanna_e2e_seconds_count",
+        "lyanna_prompt_tokens_total",
+        "lyanna_generated_tokens_total",
+        "lyanna_accepted_tokens_per_step_count",
+        "lyanna_draft_tokens_total",
+        "lyanna_draft_tokens_accepted_total",
+        "lyanna_batch_size",
+        "lyanna_queue_length",
+        "lyanna_kv_cache_usage",
+    ):
+        assert f"{name}{{{labels}}}" in text, name
+    count = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("lyanna_")}
+    assert count[f'lyanna_requests_total{{{labels},status="200"}}'] >= 1
+    assert count[f'lyanna_requests_total{{{labels},status="400"}}'] >= 1
+    assert count[f"lyanna_generated_tokens_total{{{labels}}}"] >= 8
