@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.metrics import ServeMetrics
@@ -32,11 +33,12 @@ from serve_app.schemas import (
 
 log = logging.getLogger("serve_app.ingress")
 app = FastAPI(title="lyanna-serve")
+RETRY_AFTER_S = 1  # seconds a shed client should wait (Retry-After)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """OpenAI's error body with an HTTP status."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}.get(status, "error")
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded"}.get(status, "error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -117,7 +119,12 @@ class Ingress:
             return error_response(404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self.llm.generate.remote(body, rid)
-        first = await anext(stream)
+        try:
+            first = await anext(stream)
+        except BackPressureError:  # every replica busy and its queue full: shed load, ask to retry
+            response = error_response(503, "all replicas are saturated; retry later", code="server_overloaded")
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         if "error" in first:
             stream.cancel()
             err = first["error"]

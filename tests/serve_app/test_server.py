@@ -35,12 +35,15 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # logical CPUs: 3 replicas
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)  # logical CPUs: 4 replicas
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/")
     # A second application with two LLM replicas behind one ingress, for the concurrency test.
     two = Ingress.bind(LLMReplica.options(num_replicas=2).bind(ENGINE), MODEL)
     serve.run(two, name="two", route_prefix="/two")
+    # A replica that takes one request and queues one more, for the saturation test.
+    tiny = Ingress.bind(LLMReplica.options(max_ongoing_requests=1, max_queued_requests=1).bind(ENGINE), MODEL)
+    serve.run(tiny, name="tiny", route_prefix="/tiny")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -171,3 +174,21 @@ def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
     assert count[f'lyanna_requests_total{{{labels},status="200"}}'] >= 1
     assert count[f'lyanna_requests_total{{{labels},status="400"}}'] >= 1
     assert count[f"lyanna_generated_tokens_total{{{labels}}}"] >= 8
+
+
+def test_saturated_replica_sheds_load_with_503_and_retry_after(base_url):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48}
+
+    async def one(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post(f"{base_url}/tiny/v1/chat/completions", json=body, timeout=120)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient() as http:
+            return await asyncio.gather(*(one(http) for _ in range(6)))
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert statuses.count(200) >= 1 and statuses.count(503) >= 1 and set(statuses) <= {200, 503}, statuses
+    shed = next(r for r in asyncio.run(burst()) if r.status_code == 503)
+    assert shed.headers["retry-after"] == "1" and shed.json()["error"]["code"] == "server_overloaded"
+    ok = httpx.post(f"{base_url}/tiny/v1/chat/completions", json=body | {"max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200
