@@ -1,0 +1,140 @@
+"""Serving overhead: tokens/s and TTFT through Ray Serve + HTTP vs the same engine offline.
+
+    python -m serve_app.bench --prompts FILE.jsonl --num-prompts 16 --concurrency 1,8 --max-new-tokens 64
+
+Starts the application on loopback (one LLM replica with as many CPU threads as the offline engine),
+then, per concurrency level, alternates waves of `--concurrency` concurrent streaming requests
+through the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine
+noise hits both alike. Greedy decoding: both paths produce the same tokens. The last line of stdout
+is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import time
+
+import torch
+
+from engines.async_engine import AsyncEngine
+from engines.datasets import read_prompt_file
+from engines.engine import LLMEngine
+from engines.sampling import SamplingParams
+from serve_app.ingress import Ingress
+from serve_app.replica import EngineSettings, LLMReplica
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _http_one(client, model: str, messages, max_tokens: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    first, n = None, 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        temperature=0,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    return n, (first or time.perf_counter()) - t0
+
+
+async def _offline_one(engine: AsyncEngine, messages, max_tokens: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    first, n = None, 0
+    async for out in engine.generate(messages, SamplingParams(temperature=0, max_tokens=max_tokens)):
+        if out.new_token_ids and first is None:
+            first = time.perf_counter()
+        n = out.num_output_tokens
+    return n, (first or time.perf_counter()) - t0
+
+
+async def _wave(coros) -> tuple[int, float, list[float]]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*coros)
+    return sum(n for n, _ in results), time.perf_counter() - t0, [t for _, t in results]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the comparison and print the JSON summary."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--drafter", default="lyanna")
+    args = ap.parse_args(argv)
+    import openai
+    import ray
+    from ray import serve
+
+    torch.set_num_threads(args.threads)
+    settings = EngineSettings(drafter=args.drafter)
+    records = read_prompt_file(args.prompts)[: args.num_prompts]
+    port = _free_port()
+    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
+    serve.run(Ingress.bind(replica, settings.served_model_name, settings.drafter), name="bench", route_prefix="/")
+    offline = AsyncEngine(LLMEngine(settings.engine_config()))
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    result: dict = {"threads": args.threads, "drafter": args.drafter, "levels": {}}
+
+    async def run_level(c: int) -> dict:
+        sides = {"http": [0, 0.0, []], "offline": [0, 0.0, []]}
+        waves = [records[i : i + c] for i in range(0, len(records), c)]
+        for k, wave in enumerate([waves[0], *waves]):  # the first wave warms both paths up, untimed
+            order = ["http", "offline"] if k % 2 else ["offline", "http"]
+            for side in order:
+                if side == "http":
+                    name = settings.served_model_name
+                    coros = [_http_one(client, name, r["messages"], args.max_new_tokens) for r in wave]
+                else:
+                    coros = [_offline_one(offline, r["messages"], args.max_new_tokens) for r in wave]
+                tokens, wall, ttfts = await _wave(coros)
+                if k:
+                    sides[side][0] += tokens
+                    sides[side][1] += wall
+                    sides[side][2] += ttfts
+        out = {
+            side: {"tokens": t, "tokens_per_s": t / w, "ttft_ms_median": statistics.median(f) * 1e3}
+            for side, (t, w, f) in sides.items()
+        }
+        out["http_vs_offline_tokens_per_s"] = out["http"]["tokens_per_s"] / out["offline"]["tokens_per_s"]
+        return out
+
+    try:
+        for c in (int(x) for x in args.concurrency.split(",")):
+            level = asyncio.run(run_level(c))
+            result["levels"][c] = level
+            print(
+                f"concurrency {c}: http {level['http']['tokens_per_s']:.1f} tok/s "
+                f"(TTFT {level['http']['ttft_ms_median']:.0f} ms), offline {level['offline']['tokens_per_s']:.1f} "
+                f"tok/s (TTFT {level['offline']['ttft_ms_median']:.0f} ms), "
+                f"ratio {level['http_vs_offline_tokens_per_s']:.3f}"
+            )
+    finally:
+        offline.shutdown()
+        serve.shutdown()
+        ray.shutdown()
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
