@@ -20,8 +20,8 @@ from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 
 
-def parse_drafter(text: str) -> tuple[str, EngineConfig]:
-    """'LABEL=KIND[:CHECKPOINT][:dense]' -> (label, engine settings without the tree)."""
+def parse_drafter(text: str, **settings) -> tuple[str, EngineConfig]:
+    """'LABEL=KIND[:CHECKPOINT][:dense]' -> (label, engine settings; `settings` adds the rest)."""
     label, _, rest = text.partition("=")
     if not rest:
         raise SystemExit(f"bad --drafter {text!r}: use LABEL=KIND[:CHECKPOINT][:dense]")
@@ -31,7 +31,7 @@ def parse_drafter(text: str) -> tuple[str, EngineConfig]:
         parts = parts[:-1]
     kind, checkpoint = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
     extra = {"lyanna_token_info_rows": 0} if dense else {}
-    return label, EngineConfig(drafter=kind, draft_model=checkpoint, **extra)
+    return label, EngineConfig(drafter=kind, draft_model=checkpoint, **extra, **settings)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     rows: dict[str, dict] = {}
     for text in args.drafter:
-        label, cfg = parse_drafter(text)
-        cfg.dtype, cfg.spec, cfg.max_num_seqs = args.dtype, spec, args.batch_size
+        label, cfg = parse_drafter(text, dtype=args.dtype, spec=spec, max_num_seqs=args.batch_size)
         engine = LLMEngine(cfg)
         engine.generate([r["messages"] for r in records], params)
         stats = engine.stats().spec

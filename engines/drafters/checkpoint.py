@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from engines.drafters.eagle_model import EagleDraftModel
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
-from engines.drafters.token_info import TokenInfoTable
+from engines.drafters.token_info import TokenInfoTable, tokens_by_frequency
 
 MODEL_CLASSES: dict[str, type[LyannaDraftModel]] = {"lyanna": LyannaDraftModel, "eagle": EagleDraftModel}
 
@@ -54,7 +54,7 @@ def save_draft_model(
 def save_hot_tokens(folder: str | Path, counts: Counter, limit: int = 8192) -> None:
     """The `limit` most frequent target-generated tokens of the training data, most frequent first
     (what the collapsed token-info table is built over)."""
-    top = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:limit]]
+    top = tokens_by_frequency(counts, limit)
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / "hot_tokens.json").write_text(json.dumps({"by_frequency": top}))
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engines.draft_tree import DraftTree
 from engines.drafters.eagle_model import EagleDraftModel
 from engines.drafters.lyanna import LyannaDrafter
+from engines.drafters.token_info_sampling import top_candidates
 from engines.request import Request
 from engines.spec_params import SpecParams
 
@@ -42,11 +43,8 @@ class EagleDrafter(LyannaDrafter):
     @torch.no_grad()
     def grow(self, req: Request, depth: int, k: int) -> DraftTree | None:
         """The full dynamic tree for the request's current root (before budget pruning)."""
-        st = self.states.get(req.request_id)
-        if st is None or len(st.hidden) < req.num_tokens - 1:
-            return None
-        self._advance_context(req, st)
-        if st.last_out is None:
+        st = self._context_ready(req)
+        if st is None:
             return None
         m = self.model
         device = st.last_out.device
@@ -93,8 +91,7 @@ class EagleDrafter(LyannaDrafter):
                     parents.append(node)
                     scores.append(float(joint[f * k + j]))
             # Expand only the k most probable new nodes next (EAGLE-2's confidence-ranked expansion).
-            keep = sorted(range(joint.numel()), key=lambda c: (-float(joint[c]), c))[:k]
-            frontier = sorted(first_new + c for c in keep)
+            frontier = [first_new + c for c in top_candidates(joint.tolist(), k)]
         return DraftTree(tokens, parents, scores)
 
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:

@@ -117,6 +117,15 @@ class LyannaDrafter(Drafter):
         st.last_out = m._finish(x, out.transpose(0, 1))[-1:]
         st.keys, st.values = keys, values
 
+    def _context_ready(self, req: Request) -> _State | None:
+        """The request's state with its context K/V brought up to date, or None when the target has
+        not yet produced the hidden states a draft needs."""
+        st = self.states.get(req.request_id)
+        if st is None or len(st.hidden) < req.num_tokens - 1:
+            return None
+        self._advance_context(req, st)
+        return st if st.last_out is not None else None
+
     @torch.no_grad()
     def trajectory(self, req: Request, steps: int) -> torch.Tensor | None:
         """h_1..h_steps for the request's current root ([steps, hidden]), or None without context."""
@@ -126,14 +135,7 @@ class LyannaDrafter(Drafter):
     def trajectories(self, requests: list[Request], steps: int) -> list[torch.Tensor | None]:
         """`trajectory` for several requests, their layer steps batched into one forward per step
         (each request attends to its own context: K/V padded to the longest, masked)."""
-        ready: list[tuple[int, Request, _State]] = []
-        for i, req in enumerate(requests):
-            st = self.states.get(req.request_id)
-            if st is None or len(st.hidden) < req.num_tokens - 1:
-                continue  # the target has not produced the states this draft needs
-            self._advance_context(req, st)
-            if st.last_out is not None:
-                ready.append((i, req, st))
+        ready = [(i, req, st) for i, req in enumerate(requests) if (st := self._context_ready(req)) is not None]
         out: list[torch.Tensor | None] = [None] * len(requests)
         if not ready:
             return out

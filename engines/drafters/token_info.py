@@ -65,7 +65,11 @@ class TokenInfoTable:
         return self.table.numel() * self.table.element_size() + self.row_of.numel() * self.row_of.element_size()
 
 
+def tokens_by_frequency(counts: Counter, k: int) -> list[int]:
+    """The `k` most frequent token ids, most frequent first (ties broken by id)."""
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]]
+
+
 def hot_tokens(counts: Counter, k: int) -> torch.Tensor:
-    """The `k` most frequent token ids (ties broken by id), as a sorted tensor."""
-    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-    return torch.tensor(sorted(t for t, _ in top), dtype=torch.long)
+    """The `k` most frequent token ids, as a tensor sorted by id."""
+    return torch.tensor(sorted(tokens_by_frequency(counts, k)), dtype=torch.long)

@@ -20,6 +20,11 @@ from engines.draft_tree import DraftTree
 TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
 
 
+def top_candidates(scores: list[float], k: int) -> list[int]:
+    """Indices of the k highest scores (ties: first listed), in listing order: the next frontier."""
+    return sorted(sorted(range(len(scores)), key=lambda c: (-scores[c], c))[:k])
+
+
 def build_subtree(
     logits: torch.Tensor, root: int, token_info: TokenInfo | None, k: int, d2t: torch.Tensor | None = None
 ) -> DraftTree:
@@ -53,7 +58,7 @@ def build_subtree(
         parents += [node for node in frontier for _ in range(k)]
         scores += new_scores
         # The next frontier: the k candidates with the highest joint probability (ties: first listed).
-        keep = sorted(sorted(range(len(new_scores)), key=lambda c: (-new_scores[c], c))[:k])
+        keep = top_candidates(new_scores, k)
         frontier = [first_new + c for c in keep]
         index = torch.tensor(keep, device=logits.device)
         frontier_tokens, frontier_scores = new_tokens[index], joint[index]
