@@ -404,9 +404,11 @@ class LLMEngine:
             num_forwards=req.num_forwards,
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
+            first_scheduled_time=req.first_scheduled_time,
             num_spec_steps=req.num_spec_steps,
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
+            num_preemptions=req.num_preemptions,
         )
 
     # ---- offline use -------------------------------------------------------------------------

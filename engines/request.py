@@ -54,6 +54,7 @@ class Request:
     output_text: str = ""
     num_text_sent: int = 0  # chars of output_text already emitted
     num_tokens_sent: int = 0
+    first_scheduled_time: float | None = None  # when it first left the waiting queue (monotonic)
     first_token_time: float | None = None
     num_forwards: int = 0  # target forward passes this request took part in
     num_preemptions: int = 0
@@ -102,6 +103,8 @@ class RequestOutput:
     num_forwards: int
     arrival_time: float
     first_token_time: float | None
+    first_scheduled_time: float | None = None
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_preemptions: int = 0

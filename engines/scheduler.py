@@ -3,6 +3,7 @@ decodes and (chunked) prefills, and recompute-preemption when the KV cache runs 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,8 @@ class Scheduler:
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n

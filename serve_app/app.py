@@ -9,6 +9,7 @@ from ray.serve import Application
 
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
+from serve_app.tracing import TracingSettings
 
 
 class AppArgs(BaseModel):
@@ -17,10 +18,12 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ingress -> LLM replicas, with the engine settings given as application arguments."""
     parsed = AppArgs.model_validate(args or {})
-    replica = LLMReplica.bind(parsed.engine.model_dump())
-    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter)
+    tracing = parsed.tracing.model_dump()
+    replica = LLMReplica.bind(parsed.engine.model_dump(), tracing)
+    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing)

@@ -12,12 +12,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app import tracing
 from serve_app.metrics import ServeMetrics
 from serve_app.schemas import (
     AssistantMessage,
@@ -30,8 +32,11 @@ from serve_app.schemas import (
     SpeculationStats,
     Usage,
 )
+from serve_app.tracing import TracingSettings
 
-log = logging.getLogger("serve_app.ingress")
+# A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
+# and the `extra` fields as JSON keys.
+log = logging.getLogger("ray.serve.lyanna.ingress")
 app = FastAPI(title="lyanna-serve")
 RETRY_AFTER_S = 1  # seconds a shed client should wait (Retry-After)
 
@@ -62,13 +67,35 @@ def _spec_stats(item: dict[str, Any]) -> SpeculationStats:
     )
 
 
+def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> None:
+    """The request's fields on its ingress span (OpenTelemetry GenAI names where they exist)."""
+    span.set_attribute("gen_ai.request.model", req.model)
+    span.set_attribute("gen_ai.response.id", rid)
+    span.set_attribute("lyanna.stream", bool(req.stream))
+    for key, value in (
+        ("gen_ai.request.max_tokens", req.max_completion_tokens or req.max_tokens),
+        ("gen_ai.request.temperature", req.temperature),
+        ("gen_ai.request.top_p", req.top_p),
+        ("gen_ai.request.seed", req.seed),
+    ):
+        if value is not None:
+            span.set_attribute(key, value)
+
+
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
     """Validates requests, streams from an LLM replica, answers in OpenAI's formats."""
 
-    def __init__(self, llm: DeploymentHandle, served_model_name: str = "smollm2-135m-instruct", drafter: str = "none"):
+    def __init__(
+        self,
+        llm: DeploymentHandle,
+        served_model_name: str = "smollm2-135m-instruct",
+        drafter: str = "none",
+        tracing_settings: dict[str, Any] | None = None,
+    ):
         self.llm = llm.options(stream=True)
+        self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "ingress")
         self.llm_unary = llm
         self.model_name = served_model_name
         self.metrics = ServeMetrics(served_model_name, drafter)
@@ -100,11 +127,27 @@ class Ingress:
     async def chat_completions(self, request: Request):
         """OpenAI chat completions, streaming (SSE) or not."""
         start = time.perf_counter()
-        response = await self._chat(request, start)
+        span = self.tracer.start_span(f"chat {self.model_name}", kind=SpanKind.SERVER)
+        span.set_attribute("gen_ai.operation.name", "chat")
+        try:
+            response = await self._chat(request, start, span)
+        except BaseException as e:
+            span.record_exception(e)
+            span.end()
+            raise
         self.metrics.observe_status(response.status_code)
+        span.set_attribute("http.response.status_code", response.status_code)
+        if response.status_code >= 400:
+            span.set_status(StatusCode.ERROR)
+            log.info(
+                "chat completion rejected",
+                extra={"status": response.status_code, "error": bytes(response.body).decode(errors="replace")},
+            )
+        if not isinstance(response, StreamingResponse):
+            span.end()  # a stream's span ends with the stream
         return response
 
-    async def _chat(self, request: Request, start: float):
+    async def _chat(self, request: Request, start: float, span: Span):
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
@@ -118,7 +161,8 @@ class Ingress:
         if req.model != self.model_name:
             return error_response(404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self.llm.generate.remote(body, rid)
+        _request_attributes(span, req, rid)
+        stream = self.llm.generate.remote(body, rid, tracing.inject(span))
         try:
             first = await anext(stream)
         except BackPressureError:  # every replica busy and its queue full: shed load, ask to retry
@@ -132,7 +176,7 @@ class Ingress:
         first_time = time.perf_counter() if first["completion_tokens"] else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._sse(rid, first, stream, include_usage, start, first_time)
+            events = self._sse(rid, first, stream, include_usage, start, first_time, span)
             return StreamingResponse(events, media_type="text/event-stream")
         text, last = first["text"], first
         async for item in stream:
@@ -140,7 +184,7 @@ class Ingress:
                 first_time = time.perf_counter()
             text += item["text"]
             last = item
-        self.metrics.observe_finished(last, start, first_time, time.perf_counter())
+        self._finished(span, rid, last, start, first_time, stream=False)
         body = ChatCompletionResponse(
             id=rid,
             model=self.model_name,
@@ -150,8 +194,38 @@ class Ingress:
         )
         return JSONResponse(body.model_dump())
 
+    def _finished(
+        self, span: Span, rid: str, last: dict[str, Any], start: float, first_time: float | None, stream: bool
+    ) -> None:
+        """Record a completed request: metrics, span attributes, one log line."""
+        end = time.perf_counter()
+        self.metrics.observe_finished(last, start, first_time, end)
+        stats = _spec_stats(last)
+        fields = {
+            "chat_id": rid,
+            "stream": stream,
+            "finish_reason": last["finish_reason"],
+            "prompt_tokens": last["prompt_tokens"],
+            "completion_tokens": last["completion_tokens"],
+            "accepted_tokens_per_step": round(stats.accepted_tokens_per_step, 3),
+            "ttft_ms": round((first_time - start) * 1e3, 3) if first_time is not None else None,
+            "e2e_ms": round((end - start) * 1e3, 3),
+        }
+        span.set_attribute("gen_ai.response.finish_reasons", [last["finish_reason"]])
+        span.set_attribute("gen_ai.usage.input_tokens", last["prompt_tokens"])
+        span.set_attribute("gen_ai.usage.output_tokens", last["completion_tokens"])
+        span.set_attribute("lyanna.accepted_tokens_per_step", stats.accepted_tokens_per_step)
+        log.info("chat completion finished", extra=fields)
+
     async def _sse(
-        self, rid: str, first: dict[str, Any], stream, include_usage: bool, start: float, first_time: float | None
+        self,
+        rid: str,
+        first: dict[str, Any],
+        stream,
+        include_usage: bool,
+        start: float,
+        first_time: float | None,
+        span: Span,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -159,9 +233,9 @@ class Ingress:
             chunk = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
+        item, completed = first, False
         try:
             yield event([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-            item = first
             while True:
                 if item["text"]:
                     yield event([ChunkChoice(delta=DeltaMessage(content=item["text"]))])
@@ -173,7 +247,12 @@ class Ingress:
                 item = await anext(stream)
                 if first_time is None and item["completion_tokens"]:
                     first_time = time.perf_counter()
-            self.metrics.observe_finished(item, start, first_time, time.perf_counter())
+            self._finished(span, rid, item, start, first_time, stream=True)
+            completed = True
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request and frees its blocks
+            if not completed:  # the client went away (or the replica failed) before the last token
+                span.set_attribute("lyanna.stream_aborted", True)
+                log.info("stream ended early; request aborted", extra={"chat_id": rid})
+            span.end()

@@ -10,19 +10,27 @@ in the engine and frees its KV blocks.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from engines.async_engine import AsyncEngine
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
+from engines.request import RequestOutput
 from engines.spec_params import SpecParams
+from serve_app import tracing
 from serve_app.schemas import ChatCompletionRequest
+from serve_app.tracing import TracingSettings
 
-log = logging.getLogger("serve_app.replica")
+# A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
+# and this module's `extra` fields as JSON keys.
+log = logging.getLogger("ray.serve.lyanna.replica")
 
 
 class EngineSettings(BaseModel):
@@ -52,6 +60,24 @@ class EngineSettings(BaseModel):
         return EngineConfig(**fields, spec=spec)
 
 
+def stream_item(out: RequestOutput) -> dict[str, Any]:
+    """One engine delta as the stream item the ingress reads."""
+    return {
+        "text": out.new_text,
+        "finish_reason": out.finish_reason.value if out.finish_reason else None,
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "target_forwards": out.num_forwards,
+        "draft_tokens": out.num_draft_tokens,
+        "accepted_tokens": out.num_accepted_tokens,
+        "spec_steps": out.num_spec_steps,
+    }
+
+
+def _ms(begin: float | None, end: float | None) -> float | None:
+    return None if begin is None or end is None else round((end - begin) * 1e3, 3)
+
+
 def error_item(err: InvalidRequestError) -> dict[str, Any]:
     """A bad request as the stream's first item (OpenAI's error object plus the HTTP status)."""
     status = 400
@@ -66,37 +92,88 @@ def error_item(err: InvalidRequestError) -> dict[str, Any]:
 class LLMReplica:
     """Hosts one engine; streams deltas for chat requests."""
 
-    def __init__(self, settings: dict[str, Any] | None = None):
+    def __init__(self, settings: dict[str, Any] | None = None, tracing_settings: dict[str, Any] | None = None):
         self.settings = EngineSettings.model_validate(settings or {})
+        self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "replica")
         self.engine = LLMEngine(self.settings.engine_config())
         self.async_engine = AsyncEngine(self.engine)
 
-    async def generate(self, body: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Deltas of one chat completion: {text, token_ids, finish_reason, usage, speculation}."""
+    async def generate(
+        self, body: dict[str, Any], request_id: str, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Deltas of one chat completion: {text, token_ids, finish_reason, usage, speculation}.
+
+        `trace_context` is the ingress span's W3C carrier; this request's spans become its children.
+        """
+        start = time.monotonic()
+        span = self.tracer.start_span("generate", context=tracing.extract(trace_context))
+        last: RequestOutput | None = None
+        error: str | None = None
         try:
-            req = ChatCompletionRequest.model_validate(body)
-            params = req.sampling_params(self.engine.model_config.vocab_size)
-            spec = req.spec_params(self.engine.config.spec)
-            stream = self.async_engine.generate(req.conversation(), params, request_id, spec=spec)
-            first = await anext(stream)
-        except InvalidRequestError as e:
-            yield error_item(e)
-            return
-        out = first
-        while True:
-            yield {
-                "text": out.new_text,
-                "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                "prompt_tokens": out.num_prompt_tokens,
-                "completion_tokens": out.num_output_tokens,
-                "target_forwards": out.num_forwards,
-                "draft_tokens": out.num_draft_tokens,
-                "accepted_tokens": out.num_accepted_tokens,
-                "spec_steps": out.num_spec_steps,
-            }
-            if out.finished:
+            try:
+                req = ChatCompletionRequest.model_validate(body)
+                params = req.sampling_params(self.engine.model_config.vocab_size)
+                spec = req.spec_params(self.engine.config.spec)
+                stream = self.async_engine.generate(req.conversation(), params, request_id, spec=spec)
+                last = await anext(stream)
+            except InvalidRequestError as e:
+                error = e.message
+                yield error_item(e)
                 return
-            out = await anext(stream)
+            while True:
+                yield stream_item(last)
+                if last.finished:
+                    return
+                last = await anext(stream)
+        finally:
+            self._record(span, request_id, start, last, error)
+
+    def _record(self, span: Span, request_id: str, start: float, last: RequestOutput | None, error: str | None) -> None:
+        """End the request's span with its queue/prefill/decode children; log one line for it."""
+        end = time.monotonic()
+        if error is not None:
+            span.set_status(StatusCode.ERROR, error)
+            span.end()
+            log.info("request rejected: %s", error, extra={"chat_id": request_id})
+            return
+        ctx = trace.set_span_in_context(span)
+        epoch_ns = tracing.epoch_clock()
+        arrival = last.arrival_time if last else start
+        scheduled = last.first_scheduled_time if last else None
+        first_token = last.first_token_time if last else None
+        phases = (("queue", arrival, scheduled), ("prefill", scheduled, first_token), ("decode", first_token, end))
+        for name, begin, stop in phases:
+            if begin is None:
+                break
+            child = self.tracer.start_span(name, context=ctx, start_time=epoch_ns(begin))
+            if name == "prefill" and last is not None:
+                child.set_attribute("gen_ai.usage.input_tokens", last.num_prompt_tokens)
+            if name == "decode" and last is not None:
+                child.set_attribute("gen_ai.usage.output_tokens", last.num_output_tokens)
+            child.end(end_time=epoch_ns(stop if stop is not None else end))
+            if stop is None:
+                break
+        fields: dict[str, Any] = {"chat_id": request_id, "aborted": last is None or not last.finished}
+        if last is not None:
+            steps = last.num_spec_steps
+            fields |= {
+                "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                "prompt_tokens": last.num_prompt_tokens,
+                "completion_tokens": last.num_output_tokens,
+                "target_forwards": last.num_forwards,
+                "draft_tokens": last.num_draft_tokens,
+                "accepted_tokens": last.num_accepted_tokens,
+                "accepted_tokens_per_step": (last.num_accepted_tokens + steps) / steps if steps else 1.0,
+                "preemptions": last.num_preemptions,
+                "queue_ms": _ms(arrival, scheduled),
+                "prefill_ms": _ms(scheduled, first_token),
+                "decode_ms": _ms(first_token, end),
+            }
+        for key, value in fields.items():
+            if value is not None:
+                span.set_attribute(f"lyanna.{key}", value)
+        span.end()
+        log.info("request %s", "aborted" if fields["aborted"] else "finished", extra=fields)
 
     def stats(self) -> dict[str, Any]:
         """Engine load: running/waiting requests and KV blocks (tests and debugging)."""

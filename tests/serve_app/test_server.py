@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,14 +32,21 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def serve_logs(tmp_path_factory) -> Path:
+    """Where the main application's JSON logs go."""
+    return tmp_path_factory.mktemp("serve-logs")
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_logs):
     import ray
     from ray import serve
 
     port = free_port()
     ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)  # logical CPUs: 4 replicas
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/")
+    logging_config = {"encoding": "JSON", "logs_dir": str(serve_logs)}  # as serve_config.yaml, in a temp dir
+    serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/", logging_config=logging_config)
     # A second application with two LLM replicas behind one ingress, for the concurrency test.
     two = Ingress.bind(LLMReplica.options(num_replicas=2).bind(ENGINE), MODEL)
     serve.run(two, name="two", route_prefix="/two")
@@ -192,3 +201,32 @@ def test_saturated_replica_sheds_load_with_503_and_retry_after(base_url):
     assert shed.headers["retry-after"] == "1" and shed.json()["error"]["code"] == "server_overloaded"
     ok = httpx.post(f"{base_url}/tiny/v1/chat/completions", json=body | {"max_tokens": 4}, timeout=60)
     assert ok.status_code == 200
+
+
+def json_log_lines(folder: Path) -> list[dict]:
+    """Every JSON log line the application's components wrote."""
+    lines = []
+    for path in folder.glob("*.log"):
+        for line in path.read_text().splitlines():
+            if line.startswith("{"):
+                lines.append(json.loads(line))
+    return lines
+
+
+def test_structured_logs_carry_request_ids_across_ingress_and_replica(client, serve_logs):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    res = raw.parse()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        mine = [r for r in json_log_lines(serve_logs) if r.get("chat_id") == res.id]
+        if len(mine) >= 2:
+            break
+        time.sleep(0.2)
+    by_message = {r["message"]: r for r in mine}
+    ingress, replica = by_message["chat completion finished"], by_message["request finished"]
+    assert ingress["deployment"] == "llm_Ingress" and replica["deployment"] == "llm_LLMReplica"
+    # Serve's request id, also the response's x-request-id header, ties the two components' lines.
+    assert ingress["request_id"] == replica["request_id"] == raw.headers["x-request-id"]
+    assert ingress["completion_tokens"] == replica["completion_tokens"] == res.usage.completion_tokens
+    assert replica["prompt_tokens"] == res.usage.prompt_tokens and replica["aborted"] is False
+    assert replica["queue_ms"] >= 0 and replica["prefill_ms"] > 0 and ingress["e2e_ms"] > 0
