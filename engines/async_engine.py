@@ -2,7 +2,8 @@
 
 The engine's step loop runs in one background thread (model forwards release the GIL, so the event
 loop stays responsive). Requests are validated and tokenized in the caller, handed to the loop
-thread through a locked inbox, and their deltas come back through per-request asyncio queues. A
+thread through a locked inbox, and their deltas come back through per-request asyncio queues; deltas
+that piled up while a consumer was busy come out merged, so a slow consumer costs fewer messages. A
 consumer that stops iterating (a client that disconnects) aborts its request and frees its KV blocks.
 """
 
@@ -70,6 +71,9 @@ class AsyncEngine:
         try:
             while True:
                 item = await queue.get()
+                while not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    later = queue.get_nowait()  # deltas that piled up while the consumer was busy: send one
+                    item = later if isinstance(later, BaseException) else item.merged_with(later)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -36,6 +36,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks in use
     kv_free_blocks: int
     num_forwards: int  # target forward passes since start
+    busy_seconds: float = 0.0  # wall time spent inside `step` since start
     spec: SpecStats | None = None  # acceptance counters when a drafter is configured
 
 
@@ -165,6 +166,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
+        self.busy_seconds = 0.0
         self.drafter: Drafter | None = make_drafter(config, self)
         self.spec_stats = SpecStats()
         log.info(
@@ -268,6 +270,7 @@ class LLMEngine:
             kv_cache_usage=self.kv_cache.usage(),
             kv_free_blocks=self.kv_cache.allocator.num_free,
             num_forwards=self.num_forwards,
+            busy_seconds=self.busy_seconds,
             spec=self.spec_stats if self.drafter is not None else None,
         )
 
@@ -275,6 +278,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step: draft, forward, verify or sample, stop checks. Returns a delta per
         request that moved."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         if self.drafter is not None:
             self._propose_drafts()
         sched = self.scheduler.schedule()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -108,3 +109,11 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+
+    def merged_with(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta."""
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+        )

@@ -5,8 +5,9 @@
 Starts the application on loopback (one LLM replica with as many CPU threads as the offline engine),
 then, per concurrency level, alternates waves of `--concurrency` concurrent streaming requests
 through the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine
-noise hits both alike. Greedy decoding: both paths produce the same tokens. The last line of stdout
-is one JSON object.
+noise hits both alike. Reports tokens/s over all timed waves and the median over waves of the paired
+ratio (each wave run both ways back to back), the noise-robust figure. Greedy decoding: both paths
+produce the same tokens. The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -92,14 +93,19 @@ def main(argv: list[str] | None = None) -> dict:
     replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
     serve.run(Ingress.bind(replica, settings.served_model_name, settings.drafter), name="bench", route_prefix="/")
     offline = AsyncEngine(LLMEngine(settings.engine_config()))
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     result: dict = {"threads": args.threads, "drafter": args.drafter, "levels": {}}
 
     async def run_level(c: int) -> dict:
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
+            return await measure(client, c)
+
+    async def measure(client: openai.AsyncOpenAI, c: int) -> dict:
         sides = {"http": [0, 0.0, []], "offline": [0, 0.0, []]}
+        ratios = []  # per wave: HTTP tokens/s over offline tokens/s, the two measured back to back
         waves = [records[i : i + c] for i in range(0, len(records), c)]
         for k, wave in enumerate([waves[0], *waves]):  # the first wave warms both paths up, untimed
             order = ["http", "offline"] if k % 2 else ["offline", "http"]
+            speed = {}
             for side in order:
                 if side == "http":
                     name = settings.served_model_name
@@ -107,15 +113,20 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     coros = [_offline_one(offline, r["messages"], args.max_new_tokens) for r in wave]
                 tokens, wall, ttfts = await _wave(coros)
+                speed[side] = tokens / wall
                 if k:
                     sides[side][0] += tokens
                     sides[side][1] += wall
                     sides[side][2] += ttfts
+            if k:
+                ratios.append(speed["http"] / speed["offline"])
         out = {
             side: {"tokens": t, "tokens_per_s": t / w, "ttft_ms_median": statistics.median(f) * 1e3}
             for side, (t, w, f) in sides.items()
         }
         out["http_vs_offline_tokens_per_s"] = out["http"]["tokens_per_s"] / out["offline"]["tokens_per_s"]
+        out["wave_ratios"] = ratios
+        out["wave_ratio_median"] = statistics.median(ratios)
         return out
 
     try:
@@ -126,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"concurrency {c}: http {level['http']['tokens_per_s']:.1f} tok/s "
                 f"(TTFT {level['http']['ttft_ms_median']:.0f} ms), offline {level['offline']['tokens_per_s']:.1f} "
                 f"tok/s (TTFT {level['offline']['ttft_ms_median']:.0f} ms), "
-                f"ratio {level['http_vs_offline_tokens_per_s']:.3f}"
+                f"ratio {level['http_vs_offline_tokens_per_s']:.3f}, "
+                f"median of {len(level['wave_ratios'])} paired waves {level['wave_ratio_median']:.3f}"
             )
     finally:
         offline.shutdown()

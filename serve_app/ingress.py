@@ -82,7 +82,7 @@ def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> Non
             span.set_attribute(key, value)
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(app)
 class Ingress:
     """Validates requests, streams from an LLM replica, answers in OpenAI's formats."""

@@ -88,7 +88,9 @@ def error_item(err: InvalidRequestError) -> dict[str, Any]:
     }
 
 
-@serve.deployment(name="LLMReplica", ray_actor_options={"num_cpus": 1})
+# Serve's default of 5 ongoing requests would starve continuous batching: the engine batches what it
+# is given. serve_config.yaml sets the same values; keep them in step with `max_num_seqs`.
+@serve.deployment(name="LLMReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64)
 class LLMReplica:
     """Hosts one engine; streams deltas for chat requests."""
 
@@ -183,6 +185,8 @@ class LLMReplica:
             "num_waiting": s.num_waiting,
             "kv_free_blocks": s.kv_free_blocks,
             "kv_cache_usage": s.kv_cache_usage,
+            "num_forwards": s.num_forwards,
+            "busy_seconds": s.busy_seconds,
         }
 
     def check_health(self) -> None:
