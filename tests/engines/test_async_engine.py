@@ -93,3 +93,24 @@ def test_explicit_abort(async_engine):
 
     last = asyncio.run(main())
     assert last.finished and last.finish_reason is FinishReason.ABORT
+
+
+def test_a_slow_consumer_gets_merged_deltas_that_add_up(async_engine, engine_fp32):
+    """Deltas that pile up while the consumer sleeps come out as one: fewer items, same tokens and text."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    conv = CHAT_PROMPTS[0]
+
+    async def slow():
+        items = []
+        async for out in async_engine.generate(conv, params):
+            items.append(out)
+            await asyncio.sleep(0.3)  # several engine steps pass while this consumer is busy
+        return items
+
+    items = asyncio.run(slow())
+    alone = engine_fp32.generate([conv], params)[0]
+    assert len(items) < 24
+    assert max(len(o.new_token_ids) for o in items) > 1
+    assert [t for o in items for t in o.new_token_ids] == alone.token_ids
+    assert "".join(o.new_text for o in items) == alone.text
+    assert items[-1].finished and items[-1].num_output_tokens == 24
