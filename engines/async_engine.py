@@ -51,6 +51,7 @@ class AsyncEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         spec: SpecParams | None = None,
+        tpot_target_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate, queue and stream one request's deltas until it finishes.
 
@@ -58,7 +59,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
-        req = self.engine.make_request(messages, params, request_id, prompt_token_ids, spec)
+        req = self.engine.make_request(messages, params, request_id, prompt_token_ids, spec, tpot_target_s)
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

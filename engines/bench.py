@@ -9,6 +9,8 @@ alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`, `eagle
 Lyanna variant (`lyanna-no-resampling`, `lyanna-no-fusion`: re-sampled trees verified alone instead
 of fused, `lyanna-dense`: token info from the low-rank product instead of the hot-token table),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
+`name@adaptive` runs it under the adaptive speculation policy (policies/speculation.py) with that
+tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
 transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
 the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
@@ -97,7 +99,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
-    """The engine settings of a configuration name (without its tree)."""
+    """The engine settings of a configuration name (without its tree); `NAME@adaptive` runs NAME under
+    the adaptive speculation policy, its tree as the caps."""
+    variant, _, policy = variant.partition("@")
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
     return EngineConfig(
@@ -107,6 +111,7 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=max(args.batch_size, 1),
         drafter=drafter,
         draft_model=checkpoint,
+        spec_policy=policy or "fixed",
         **overrides,
     )
 
@@ -144,7 +149,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
     ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")
+    ap.add_argument(
+        "--policy",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="adaptive: also run DRAFTER@adaptive (--drafter, caps --depth/--width/--budget) beside the others",
+    )
     args = ap.parse_args(argv)
+    if args.policy == "adaptive":
+        adaptive = f"{args.drafter}@adaptive:{args.depth}:{args.width}:{args.budget}"
+        args.compare = f"{args.compare},{adaptive}" if args.compare else adaptive
 
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     configs = [parse_config(c, args) for c in (args.compare or args.drafter).split(",")]

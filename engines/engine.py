@@ -3,6 +3,7 @@ and emits per-request deltas. `AsyncEngine` (async_engine.py) drives it from a b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,10 +20,12 @@ from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, Request, RequestOutput, RequestStatus
 from engines.sampling import SamplingParams, sample
-from engines.scheduler import ScheduledRequest, Scheduler
+from engines.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from engines.verification import VerifyItem, VerifyResult, verify_batch
+from policies.profiling import profile_engine
+from policies.speculation import AdaptivePolicy, AdaptiveSettings, StepRecord, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ class EngineConfig:
     # embedded target's shipped drafter when None.
     draft_model: str | None = None
     spec: SpecParams = field(default_factory=SpecParams)  # default speculation per request
+    spec_policy: str = "fixed"  # "fixed": every request's tree as configured; "adaptive": see policies/speculation.py
+    adaptive: AdaptiveSettings = field(default_factory=AdaptiveSettings)
     chain_verifier: str = "block"  # stochastic chains at temperature > 0: "block" or "rejection"
     lyanna_resampling: bool = True  # re-sample after rejections (Lyanna Algorithm 2)
     lyanna_token_info_rows: int = 1024  # hot tokens in the collapsed token-info table (0: dense low-rank product)
@@ -169,6 +174,9 @@ class LLMEngine:
         self.busy_seconds = 0.0
         self.drafter: Drafter | None = make_drafter(config, self)
         self.spec_stats = SpecStats()
+        self.policy = make_policy(config.spec_policy, config.adaptive)
+        if self.drafter is not None and isinstance(self.policy, AdaptivePolicy) and config.adaptive.profile:
+            profile_engine(self, self.policy)
         log.info(
             "engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
             loaded.checkpoint.name,
@@ -187,12 +195,16 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         spec: SpecParams | None = None,
+        tpot_target_s: float | None = None,
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
 
         `spec` overrides the engine's default speculation for this request (`enabled=False` turns
-        it off); without a drafter it is ignored.
+        it off); without a drafter it is ignored. `tpot_target_s` is the request's time-per-output-
+        token target, which the adaptive speculation policy keeps to.
         """
+        if tpot_target_s is not None and not tpot_target_s > 0:
+            raise InvalidRequestError("the TPOT target must be positive", param="slo.tpot_ms")
         params = (params or SamplingParams()).validate(self.tokenizer.vocab_size)
         spec = (spec or self.config.spec).validate()
         if prompt_token_ids is None:
@@ -229,6 +241,7 @@ class LLMEngine:
             generator=params.make_generator(self.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
             spec=spec if spec.enabled and self.drafter is not None else None,
+            tpot_target_s=tpot_target_s,
         )
 
     def add(self, request: Request) -> None:
@@ -245,9 +258,10 @@ class LLMEngine:
         request_id: str | None = None,
         prompt_token_ids: list[int] | None = None,
         spec: SpecParams | None = None,
+        tpot_target_s: float | None = None,
     ) -> Request:
         """Validate, tokenize and queue a request; raises InvalidRequestError without side effects."""
-        req = self.make_request(messages, params, request_id, prompt_token_ids, spec)
+        req = self.make_request(messages, params, request_id, prompt_token_ids, spec, tpot_target_s)
         self.add(req)
         return req
 
@@ -285,11 +299,21 @@ class LLMEngine:
             self.busy_seconds += time.perf_counter() - start
 
     def _step(self) -> list[RequestOutput]:
+        record = StepRecord(num_tokens=0, target_s=0.0)
         if self.drafter is not None:
-            self._propose_drafts()
+            self._propose_drafts(record)
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        outputs = self._forward(sched)
+        record.num_tokens, record.target_s = sched.num_tokens, time.perf_counter() - start
+        record.num_trees = sum(s.draft is not None for s in sched.scheduled)
+        self.policy.observe_step(record)
+        return outputs
+
+    def _forward(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Run the scheduled batch through the target; verify drafts, sample the rest, emit deltas."""
         result = self.runner.execute(self.runner.inputs_for(sched))
         self.num_forwards += 1
         outputs = []
@@ -317,23 +341,35 @@ class LLMEngine:
                 outputs.append(self.append_tokens(req, [tok]))
         return outputs
 
-    def _propose_drafts(self) -> None:
-        """Ask the drafter for a tree for every decoding request that speculates, within its limits."""
-        reqs, specs = [], []
+    def _propose_drafts(self, record: StepRecord) -> None:
+        """Draft for the decoding requests that speculate, as the policy plans, within each request's
+        limits; keep the subtrees the policy allocates verification to."""
+        reqs, caps, other_tokens = [], [], 0
         for req in self.scheduler.running:
-            if req.spec is None or req.num_tokens - req.num_computed_tokens != 1:
-                continue
+            todo = req.num_tokens - req.num_computed_tokens
             # Leave room for the bonus token within max_tokens (admission already made
             # prompt + max_tokens fit the context, so this bounds positions too).
-            depth = min(req.spec.depth, req.max_tokens - len(req.output_token_ids) - 1)
-            if depth >= 1:
+            depth = min(req.spec.depth, req.max_tokens - len(req.output_token_ids) - 1) if req.spec else 0
+            if todo == 1 and depth >= 1:
                 reqs.append(req)
-                specs.append(SpecParams(depth=depth, width=req.spec.width, budget=req.spec.budget))
+                caps.append(dataclasses.replace(req.spec, depth=depth))
+            else:
+                other_tokens += todo
         if not reqs:
             return
-        for req, spec, tree in zip(reqs, specs, self.drafter.propose(reqs, specs), strict=True):
-            if tree is not None and tree.num_draft > 0:
-                req.draft = tree.truncate_depth(spec.depth).prune(spec.budget + 1)
+        plans = self.policy.plan(reqs, caps, other_tokens)
+        chosen = [(r, p) for r, p in zip(reqs, plans, strict=True) if p is not None]
+        if not chosen:
+            return
+        start = time.perf_counter()
+        trees = self.drafter.propose([r for r, _ in chosen], [p for _, p in chosen])
+        record.draft_s = time.perf_counter() - start
+        record.num_drafted = len(chosen)
+        record.draft_depth = max(p.depth for _, p in chosen)
+        record.draft_width = max(p.width for _, p in chosen)
+        kept = self.policy.allocate([r for r, _ in chosen], [p for _, p in chosen], trees, other_tokens)
+        for (req, _), tree in zip(chosen, kept, strict=True):
+            req.draft = tree
 
     def _accept_drafts(self, drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]]) -> list[RequestOutput]:
         """Verify the step's trees in one batch, commit each accepted path, emit accepted + bonus tokens."""
@@ -349,6 +385,7 @@ class LLMEngine:
             req.num_draft_tokens += tree.num_draft
             req.num_accepted_tokens += result.num_accepted
             self.spec_stats.record(tree, result)
+            self.policy.observe_verified(req, tree, result.num_accepted)
             outputs.append(self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus]))
             if not req.finished:
                 self.drafter.on_verified(req, tree, result, hidden[result.path])
@@ -392,6 +429,7 @@ class LLMEngine:
         self.scheduler.finish(req)
         if self.drafter is not None:
             self.drafter.on_finished(req)
+        self.policy.on_finished(req.request_id)
         out = self._delta(req)
         del self.requests[req.request_id]
         return out

@@ -60,6 +60,7 @@ class Request:
     num_forwards: int = 0  # target forward passes this request took part in
     num_preemptions: int = 0
     spec: SpecParams | None = None  # None: no speculation for this request
+    tpot_target_s: float | None = None  # time-per-output-token target (SLO) the speculation policy honours
     draft: DraftTree | None = None  # proposed for the coming step
     num_spec_steps: int = 0  # verification forwards with a draft
     num_draft_tokens: int = 0  # draft tokens verified

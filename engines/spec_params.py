@@ -17,6 +17,7 @@ class SpecParams:
     width: int = 2
     budget: int = 6
     enabled: bool = True
+    fixed: bool = False  # exactly this tree every step; the adaptive policy treats the fields as caps otherwise
 
     def validate(self) -> SpecParams:
         """Raise InvalidRequestError for impossible settings."""

@@ -1,0 +1,1 @@
+"""Policies: adaptive speculation, SLO-aware routing and autoscaling."""

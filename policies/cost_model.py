@@ -1,0 +1,132 @@
+"""Step-time models: what a target forward over N tokens costs, and what a drafting round costs.
+
+The target's step time is a piecewise-linear curve over the step's token count (flat while the
+device is memory-bound, rising once it saturates compute) plus a per-request overhead for each
+request that verifies a tree (tree masks, verification, KV commits: batch composition). The curve is
+seeded by a start-up profile; both follow the times observed online (exponential moving averages),
+so a model that was profiled cold or on a busy machine corrects itself. The drafter's time is a line in the number of
+requests it drafts for, one line per (depth, width), fitted online by least squares with forgetting.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TargetCostModel:
+    """Predicted seconds of one target forward (with sampling and verification) over `tokens` tokens."""
+
+    # power-of-two bucket of the token count -> (mean tokens, mean seconds), both moving averages
+    points: dict[int, tuple[float, float]] = field(default_factory=dict)
+    decay: float = 0.1  # weight of a new observation
+    tree_overhead: float = 0.0  # extra seconds per request that verifies a tree (masks, verification, commits)
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        """Observations are pooled in power-of-two buckets of the token count."""
+        return 1 << max(0, (max(1, tokens) - 1).bit_length())
+
+    def observe(self, tokens: int, seconds: float, num_trees: int = 0) -> None:
+        """Fold one measured step in: plain steps into their bucket, steps that verified trees into the
+        per-tree overhead (what they cost beyond a plain step of as many tokens)."""
+        if num_trees:
+            if self.points:
+                per_tree = max(0.0, seconds - self._plain(tokens)) / num_trees
+                d = self.decay
+                self.tree_overhead = (
+                    per_tree if self.tree_overhead == 0.0 else (1 - d) * self.tree_overhead + d * per_tree
+                )
+            return
+        b = self.bucket(tokens)
+        old = self.points.get(b)
+        if old is None:
+            self.points[b] = (float(tokens), seconds)
+        else:
+            d = self.decay
+            self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
+
+    def predict(self, tokens: int, num_trees: int = 0) -> float:
+        """Seconds for a step of `tokens` tokens of which `num_trees` requests verify draft trees."""
+        return self._plain(tokens) + self.tree_overhead * num_trees
+
+    def _plain(self, tokens: int) -> float:
+        """A plain step: interpolated between the buckets' means, extrapolated along the last segment
+        past them (never decreasing), flat below the smallest."""
+        if not self.points:
+            raise ValueError("the target cost model has no measurements; profile it first")
+        pts = sorted(self.points.values())
+        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        if tokens <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, tokens)
+        if i == len(xs):
+            if len(xs) == 1:
+                return ys[0] * tokens / xs[0]
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return ys[-1] + slope * (tokens - xs[-1])
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has any measurement."""
+        return bool(self.points)
+
+
+@dataclass
+class _Line:
+    """Online least squares of y = a + b·x with exponential forgetting."""
+
+    forget: float = 0.95
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        f = self.forget
+        self.n, self.sx, self.sy = f * self.n + 1, f * self.sx + x, f * self.sy + y
+        self.sxx, self.sxy = f * self.sxx + x * x, f * self.sxy + x * y
+
+    def predict(self, x: float) -> float:
+        if self.n == 0:
+            raise ValueError("no observations")
+        var = self.sxx - self.sx * self.sx / self.n
+        if var < 1e-9:  # one distinct x so far: proportional to x through that point
+            mean_x, mean_y = self.sx / self.n, self.sy / self.n
+            return mean_y * x / mean_x if mean_x > 0 else mean_y
+        b = max(0.0, (self.sxy - self.sx * self.sy / self.n) / var)
+        a = self.sy / self.n - b * self.sx / self.n
+        return max(0.0, a + b * x)
+
+
+@dataclass
+class DraftCostModel:
+    """Predicted seconds of one drafting round for `num_requests` requests with trees `depth` x `width`."""
+
+    lines: dict[tuple[int, int], _Line] = field(default_factory=dict)
+
+    def observe(self, depth: int, width: int, num_requests: int, seconds: float) -> None:
+        """Fold one measured drafting round in."""
+        self.lines.setdefault((depth, width), _Line()).add(num_requests, seconds)
+
+    def predict(self, depth: int, width: int, num_requests: int) -> float:
+        """Seconds for a round; an unmeasured shape is scaled from the nearest measured depth
+        (drafting is one layer forward and one tree level per depth)."""
+        if num_requests == 0:
+            return 0.0
+        line = self.lines.get((depth, width))
+        if line is not None:
+            return line.predict(num_requests)
+        if not self.lines:
+            return 0.0
+        (d, _w), near = min(self.lines.items(), key=lambda kv: (abs(kv[0][0] - depth), abs(kv[0][1] - width)))
+        return near.predict(num_requests) * depth / d
+
+    @property
+    def ready(self) -> bool:
+        """Whether any shape was measured."""
+        return bool(self.lines)

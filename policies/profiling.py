@@ -1,0 +1,53 @@
+"""Start-up profile: seed the speculation policy's cost models with a few real steps.
+
+Target: prefill steps of 1, 2, 4, ... tokens (one request each, no speculation), run twice, the
+second pass kept (the first warms kernels and allocators). Drafter: a short speculative decode of two
+requests at the configured tree. The acceptance statistics of these synthetic prompts are dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from policies.acceptance import AcceptanceModel
+
+if TYPE_CHECKING:
+    from engines.engine import LLMEngine
+    from policies.speculation import AdaptivePolicy
+
+MAX_PROFILE_TOKENS = 256
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: SpecParams) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for ids in prompts:
+        engine.add_request(prompt_token_ids=ids, params=params, spec=spec)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
+    """Measure the target's step time by token count and the drafter's round time (a second or two)."""
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+    limit = min(MAX_PROFILE_TOKENS, engine.config.max_num_batched_tokens, engine.max_model_len - 2)
+    sizes = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+    no_spec = SpecParams(enabled=False)
+    for keep in (False, True):
+        if keep:
+            policy.target_cost.points.clear()
+        for n in sizes:
+            _run(engine, [[rng.randrange(vocab) for _ in range(n)]], 1, no_spec)
+    prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
+    _run(engine, prompts, 12, _full_tree(engine.config.spec))
+    policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
+    policy.population_gain.value, policy.population_budget.value = 1.0, 0.0
+    policy.requests.clear()
+
+
+def _full_tree(spec: SpecParams) -> SpecParams:
+    """The configured tree, verified in full (so the drafter is timed at its full shape)."""
+    return SpecParams(depth=spec.depth, width=spec.width, budget=spec.budget, fixed=True)

@@ -1,0 +1,351 @@
+"""Speculation policies: per step and per request, how much to draft and how much of it to verify.
+
+The engine asks its policy twice per step:
+
+1. `plan`: the drafting shape (depth, width) per decoding request, or None (no draft this step);
+2. `allocate`: given the drafted trees, the subtree of each to verify (or None).
+
+and reports back what happened (`observe_step`, `observe_verified`). `FixedPolicy` verifies every
+request's configured tree. `AdaptivePolicy` maximises goodput, expected emitted tokens over predicted
+step time, subject to each request's time-per-output-token target:
+
+    G(k) = (n + sum of the k best calibrated node estimates) / T_target(base tokens + k)
+
+over k, the number of draft tokens verified in the step, taking nodes across all requests in
+order of their estimates (so a request whose drafts are unlikely gets fewer or none). Drafting is
+skipped for the step when the predicted goodput of drafting, using each request's recent gain and
+budget and the drafter's cost, is below that of plain decoding (re-probed every `probe_every` steps,
+and for requests without history). Depth and width follow the deepest and widest subtrees the
+allocation recently kept, plus one, up to the request's caps.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.draft_tree import DraftTree
+from engines.request import Request
+from engines.spec_params import SpecParams
+from policies.acceptance import AcceptanceModel
+from policies.cost_model import DraftCostModel, TargetCostModel
+
+
+@dataclass
+class StepRecord:
+    """What one engine step cost: the target forward over `num_tokens`, and the drafting round."""
+
+    num_tokens: int
+    target_s: float
+    draft_s: float = 0.0
+    draft_depth: int = 0
+    draft_width: int = 0
+    num_drafted: int = 0  # requests the drafter drafted for
+    num_trees: int = 0  # requests that verified a tree in the target forward
+
+
+class SpeculationPolicy(ABC):
+    """Chooses each step's drafts and verification budgets."""
+
+    name: str = "policy"
+
+    @abstractmethod
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+        """Per decoding request: the tree to draft (within its caps), or None for no draft this step.
+        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks)."""
+
+    @abstractmethod
+    def allocate(
+        self, requests: list[Request], specs: list[SpecParams], trees: list[DraftTree | None], other_tokens: int
+    ) -> list[DraftTree | None]:
+        """Per drafted request: the subtree to verify this step, or None."""
+
+    def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
+        """Measured costs of the step that just ran."""
+
+    def observe_verified(self, request: Request, tree: DraftTree, num_accepted: int) -> None:  # noqa: B027
+        """A verified tree and how many of its draft tokens were accepted."""
+
+    def on_finished(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop per-request state."""
+
+    def stats(self) -> dict[str, Any]:
+        """Decision and model statistics for metrics."""
+        return {}
+
+
+class FixedPolicy(SpeculationPolicy):
+    """Every decoding request drafts and verifies its configured tree."""
+
+    name = "fixed"
+
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+        return list(caps)
+
+    def allocate(
+        self, requests: list[Request], specs: list[SpecParams], trees: list[DraftTree | None], other_tokens: int
+    ) -> list[DraftTree | None]:
+        return [fixed_subtree(t, s) for t, s in zip(trees, specs, strict=True)]
+
+
+def fixed_subtree(tree: DraftTree | None, spec: SpecParams) -> DraftTree | None:
+    """The configured tree: cut to the depth, pruned to the budget by path score."""
+    if tree is None or tree.num_draft == 0:
+        return None
+    return tree.truncate_depth(spec.depth).prune(spec.budget + 1)
+
+
+@dataclass
+class AdaptiveSettings:
+    """Knobs of the adaptive policy (`spec_policy: adaptive`)."""
+
+    probe_every: int = 16  # steps between drafts for a request the policy stopped drafting for
+    min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
+    explore_bonus: float = 0.5  # accepted tokens added to a probe's estimate (optimism under uncertainty)
+    profile: bool = True  # measure the target's step time at start-up (a few forwards)
+
+
+@dataclass
+class _RequestState:
+    depth: int  # drafting shape for the next step
+    width: int
+    gain: float = 0.0  # expected accepted tokens of its last allocation
+    budget: int = 0  # draft tokens verified in its last allocation
+    idle_steps: int = 0  # steps since it last drafted
+    history: bool = False  # whether it has been allocated at least once
+
+
+@dataclass
+class _Ema:
+    value: float = 0.0
+    weight: float = 0.05
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value == 0.0 else (1 - self.weight) * self.value + self.weight * x
+
+
+@dataclass
+class AdaptivePolicy(SpeculationPolicy):
+    """Goodput-maximising trees and budgets from calibrated acceptance and measured step costs."""
+
+    settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    target_cost: TargetCostModel = field(default_factory=TargetCostModel)
+    draft_cost: DraftCostModel = field(default_factory=DraftCostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    requests: dict[str, _RequestState] = field(default_factory=dict)
+    name: str = "adaptive"
+    # For metrics: the last step's choices and the models' predictions against what happened.
+    last_depth: float = 0.0
+    last_width: float = 0.0
+    last_budget: float = 0.0
+    last_drafted: int = 0
+    predicted_step_s: _Ema = field(default_factory=_Ema)
+    observed_step_s: _Ema = field(default_factory=_Ema)
+    # Gain and budget of allocations across requests: the estimate for a request without its own.
+    # Optimistic before any data (one accepted token per drafting request), so drafting gets tried.
+    population_gain: _Ema = field(default_factory=lambda: _Ema(1.0))
+    population_budget: _Ema = field(default_factory=_Ema)
+    _pending_prediction: float | None = None
+    _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
+    _step_other_tokens: int = 0
+    _step_tpot: dict[str, float] = field(default_factory=dict)
+
+    # ---- drafting ---------------------------------------------------------------------------------
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+        n = len(requests)
+        self._step_decoders, self._step_other_tokens = n, other_tokens
+        self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
+        if not self.target_cost.ready:
+            return list(caps)
+        out: list[SpecParams | None] = [cap if cap.fixed else None for cap in caps]
+        base = n + other_tokens + sum(c.budget for c in caps if c.fixed)
+        fixed_trees = sum(c.fixed for c in caps)
+        # Each adaptive request's expected gain and verification cost if it drafts: its own recent
+        # figures, or the population's when it has none or they are stale (a probe).
+        options: list[tuple[float, int, int]] = []  # (gain, budget, index)
+        for i, (req, cap) in enumerate(zip(requests, caps, strict=True)):
+            if cap.fixed:
+                continue
+            st = self.requests.get(req.request_id)
+            if st is None:
+                st = self.requests[req.request_id] = _RequestState(cap.depth, cap.width)
+            st.idle_steps += 1
+            if st.history and st.idle_steps < self.settings.probe_every:
+                gain, budget = st.gain, st.budget
+            else:  # a probe: optimistic by `explore_bonus`, so a too-low estimate can be corrected
+                gain = max(st.gain if st.history else 0.0, self.population_gain.value) + self.settings.explore_bonus
+                budget = cap.budget
+                budget = (
+                    min(cap.budget, max(1, round(self.population_budget.value)))
+                    if self.population_budget.value
+                    else budget
+                )
+            if gain >= self.settings.min_gain:
+                options.append((gain, budget, i))
+        # Draft for the requests with the best gain per verified token, as many as raise goodput.
+        options.sort(key=lambda o: (-o[0] / max(1, o[1]), o[2]))
+        best_m, best_g = 0, n / self.target_cost.predict(base, fixed_trees)
+        gain = budget = 0.0
+        depth = width = 0
+        for m, (g, b, i) in enumerate(options, 1):
+            gain, budget = gain + g, budget + b
+            st = self.requests[requests[i].request_id]
+            depth, width = max(depth, min(caps[i].depth, st.depth)), max(width, min(caps[i].width, st.width))
+            step = self.target_cost.predict(base + int(budget), fixed_trees + m) + self.draft_cost.predict(
+                depth, width, m
+            )
+            if (n + gain) / step > best_g:
+                best_m, best_g = m, (n + gain) / step
+        chosen = options[:best_m]
+        if not chosen:
+            return out
+        # The drafting depth: the one with the best predicted goodput for the chosen requests, their
+        # gains rescaled by the population's acceptance by depth (deeper drafts cost drafter time).
+        reach = self.acceptance.observed_by_depth
+        full = max(min(caps[i].depth, self.requests[requests[i].request_id].depth) for _, _, i in chosen)
+        top = sum(reach[:full]) if reach else 0.0
+        best_depth, best_g = full, -1.0
+        for d in range(1, full + 1):
+            share = sum(reach[:d]) / top if top > 0 else d / full
+            gain = sum(g for g, _, _ in chosen) * share
+            budget = sum(min(b, d * width) for _, b, _ in chosen)
+            step = self.target_cost.predict(base + budget, fixed_trees + len(chosen))
+            g = (n + gain) / (step + self.draft_cost.predict(d, width, len(chosen)))
+            if g > best_g:
+                best_depth, best_g = d, g
+        for _, _, i in chosen:
+            st = self.requests[requests[i].request_id]
+            st.idle_steps = 0
+            out[i] = SpecParams(
+                depth=min(caps[i].depth, st.depth, best_depth),
+                width=min(caps[i].width, st.width),
+                budget=caps[i].budget,
+            )
+        return out
+
+    # ---- verification budget ----------------------------------------------------------------------
+    def allocate(
+        self, requests: list[Request], specs: list[SpecParams], trees: list[DraftTree | None], other_tokens: int
+    ) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = [None] * len(trees)
+        if not self.target_cost.ready:
+            return [fixed_subtree(t, s) for t, s in zip(trees, specs, strict=True)]
+        base = self._step_decoders + self._step_other_tokens
+        nodes: list[tuple[float, int, int]] = []  # (estimate, request index, node)
+        estimates: dict[int, list[float]] = {}
+        cut: dict[int, DraftTree] = {}
+        for j, (req, spec, tree) in enumerate(zip(requests, specs, trees, strict=True)):
+            if tree is None or tree.num_draft == 0:
+                continue
+            if spec.fixed:
+                out[j] = fixed_subtree(tree, spec)
+                base += out[j].num_draft if out[j] is not None else 0
+                continue
+            tree = cut[j] = tree.truncate_depth(spec.depth)
+            est = estimates[j] = self.acceptance.node_estimates(req.request_id, tree)
+            # Each request keeps at most its budget cap; its best nodes come first.
+            best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[: spec.budget]
+            nodes.extend((est[i], j, i) for i in best)
+        nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
+        k = self._best_count(requests, nodes, base)
+        counts: dict[int, int] = {}
+        for _, j, _ in nodes[:k]:
+            counts[j] = counts.get(j, 0) + 1
+        depths, widths, budgets = [], [], []
+        for j, est in estimates.items():
+            req, tree, c = requests[j], cut[j], counts.get(j, 0)
+            st = self.requests.setdefault(req.request_id, _RequestState(specs[j].depth, specs[j].width))
+            st.history = True
+            if c == 0:
+                st.gain, st.budget = 0.0, 0
+                self.population_gain.add(0.0)
+                continue
+            kept = DraftTree(tree.tokens, tree.parents, est, tree.draft_probs).prune(c + 1)
+            out[j] = kept
+            st.gain, st.budget = sum(kept.scores[1:]), kept.num_draft
+            self.population_gain.add(st.gain)
+            self.population_budget.add(st.budget)
+            per_depth = [kept.depths.count(d) for d in range(1, kept.depth + 1)]
+            st.depth = min(specs[j].depth + 1, kept.depth + 1)
+            st.width = max(1, min(specs[j].width + 1, max(per_depth) + 1))
+            depths.append(kept.depth)
+            widths.append(max(per_depth))
+            budgets.append(kept.num_draft)
+        self.last_drafted = len(budgets)
+        self.last_depth = sum(depths) / len(depths) if depths else 0.0
+        self.last_width = sum(widths) / len(widths) if widths else 0.0
+        self.last_budget = sum(budgets) / len(budgets) if budgets else 0.0
+        self._pending_prediction = self.target_cost.predict(base + k, len(budgets))
+        return out
+
+    def _best_count(self, requests: list[Request], nodes: list[tuple[float, int, int]], base: int) -> int:
+        """How many of the ordered candidate nodes to verify: the goodput optimum among the counts
+        that meet every request's TPOT target (or, if none does, the count closest to meeting them)."""
+        n = self._step_decoders
+        drafting = {r.request_id for r in requests}
+        targets = {j: r.tpot_target_s for j, r in enumerate(requests) if r.tpot_target_s}
+        # Requests that decode without a draft this step emit one token: their TPOT is the step time.
+        plain_tpot = min((t for rid, t in self._step_tpot.items() if rid not in drafting), default=None)
+        if plain_tpot is not None:
+            targets[-1] = plain_tpot
+        gains = [0.0] * (len(requests) + 1)  # index -1: the plain decoders
+        best_k, best_g, best_violation, best_violating_k = 0, -1.0, math.inf, 0
+        total, trees, counted = 0.0, 0, set()
+        for k in range(len(nodes) + 1):
+            if k:
+                est, j, _ = nodes[k - 1]
+                total += est
+                gains[j] += est
+                if j not in counted:
+                    counted.add(j)
+                    trees += 1
+            t = self.target_cost.predict(base + k, trees)
+            violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
+            if violation <= 1.0:
+                g = (n + total) / t
+                if g > best_g:
+                    best_k, best_g = k, g
+            elif best_g < 0 and violation < best_violation:
+                best_violation, best_violating_k = violation, k
+        return best_k if best_g >= 0 else best_violating_k
+
+    # ---- learning ---------------------------------------------------------------------------------
+    def observe_step(self, record: StepRecord) -> None:
+        if record.num_tokens:
+            self.target_cost.observe(record.num_tokens, record.target_s, record.num_trees)
+            if self._pending_prediction is not None:  # a step the policy sized: prediction vs outcome
+                self.predicted_step_s.add(self._pending_prediction)
+                self.observed_step_s.add(record.target_s)
+        self._pending_prediction = None
+        if record.num_drafted:
+            self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
+
+    def observe_verified(self, request: Request, tree: DraftTree, num_accepted: int) -> None:
+        self.acceptance.observe(request.request_id, tree, num_accepted)
+
+    def on_finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.acceptance.forget(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "drafted_requests": self.last_drafted,
+            "depth": self.last_depth,
+            "width": self.last_width,
+            "budget": self.last_budget,
+            "predicted_accepted": self.acceptance.predicted_mean,
+            "observed_accepted": self.acceptance.observed_mean,
+            "predicted_step_s": self.predicted_step_s.value,
+            "observed_step_s": self.observed_step_s.value,
+        }
+
+
+def make_policy(name: str, settings: AdaptiveSettings | None = None) -> SpeculationPolicy:
+    """The policy a config names: `fixed` or `adaptive`."""
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "adaptive":
+        return AdaptivePolicy(settings or AdaptiveSettings())
+    raise ValueError(f"unknown speculation policy {name!r}; use 'fixed' or 'adaptive'")

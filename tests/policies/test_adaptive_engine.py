@@ -1,0 +1,26 @@
+"""The adaptive policy in the real engine (embedded model, shipped Lyanna drafter): lossless whatever
+it decides, with cost models profiled at start-up and corrected by traffic."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+
+pytestmark = pytest.mark.slow
+
+
+def test_adaptive_greedy_output_equals_the_target_alone(engine_fp32):
+    adaptive = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, spec_policy="adaptive"))
+    policy = adaptive.policy
+    assert policy.target_cost.ready and policy.draft_cost.ready  # the start-up profile ran
+    params = SamplingParams(temperature=0, max_tokens=32)
+    for _ in range(2):  # the second round runs on what the first taught it
+        ours = adaptive.generate(CHAT_PROMPTS, params)
+        alone = engine_fp32.generate(CHAT_PROMPTS, params)
+        assert [o.token_ids for o in ours] == [a.token_ids for a in alone]
+    stats = policy.stats()
+    assert stats["observed_step_s"] > 0 and stats["predicted_step_s"] > 0
+    assert not policy.requests, "finished requests leave no state behind"

@@ -1,0 +1,151 @@
+"""The adaptive speculation policy's models and optimizer on synthetic costs and acceptance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engines.draft_tree import DraftTree
+from engines.request import Request
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from policies.acceptance import AcceptanceModel
+from policies.cost_model import DraftCostModel, TargetCostModel
+from policies.speculation import AdaptivePolicy, FixedPolicy, StepRecord
+
+
+def request(rid: str, tpot: float | None = None) -> Request:
+    """A bare decoding request (the policy reads only its id and TPOT target)."""
+    return Request(rid, [1, 2, 3], SamplingParams(), 16, frozenset(), None, None, tpot_target_s=tpot)
+
+
+def chain(scores: list[float]) -> DraftTree:
+    return DraftTree.chain(0, list(range(1, len(scores) + 1)), [1.0, *scores])
+
+
+def test_target_cost_model_interpolates_and_learns_tree_overhead():
+    m = TargetCostModel()
+    for tokens, seconds in ((1, 0.010), (8, 0.010), (64, 0.050)):
+        m.observe(tokens, seconds)
+    assert m.predict(4) == pytest.approx(0.010)
+    assert m.predict(36) == pytest.approx(0.030)  # halfway between 8 and 64 tokens
+    assert m.predict(128) == pytest.approx(0.050 + 64 * 0.04 / 56)  # the last segment's slope
+    for _ in range(200):  # steps that verify 4 trees take 8 ms more than a plain step of 8 tokens
+        m.observe(8, 0.018, num_trees=4)
+    assert m.tree_overhead == pytest.approx(0.002, rel=1e-3)
+    assert m.predict(8, num_trees=4) == pytest.approx(0.018, rel=1e-3)
+
+
+def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
+    m = DraftCostModel()
+    for n in (1, 2, 4, 8) * 5:
+        m.observe(2, 2, n, 0.004 + 0.001 * n)
+    assert m.predict(2, 2, 16) == pytest.approx(0.020, rel=1e-6)
+    assert m.predict(4, 2, 16) == pytest.approx(0.040, rel=1e-6)  # twice as deep: twice the rounds
+    assert m.predict(2, 2, 0) == 0.0
+
+
+def test_calibration_converges_to_observed_acceptance_by_depth():
+    """Scores say 0.8 / 0.64; the target accepts depth 1 with p = 0.5 and depth 2 with p = 0.25."""
+    rng = random.Random(0)
+    model = AcceptanceModel(decay=0.01)
+    tree = chain([0.8, 0.64])
+    for i in range(4000):
+        u = rng.random()
+        model.observe(f"r{i % 50}", tree, 2 if u < 0.25 else 1 if u < 0.5 else 0)
+    est = model.node_estimates("fresh", tree)
+    assert est[1] == pytest.approx(0.5, abs=0.06) and est[2] == pytest.approx(0.25, abs=0.06)
+    assert model.observed_mean == pytest.approx(0.75, abs=0.1)
+
+
+def test_a_request_whose_drafts_fail_loses_its_estimates():
+    model = AcceptanceModel()
+    tree = chain([0.9, 0.8, 0.7])
+    for _ in range(30):
+        model.observe("good", tree, 3)
+        model.observe("bad", tree, 0)
+    assert model.request_factor("bad") < 0.2 < 1.0 <= model.request_factor("good")
+    assert model.expected_accepted("bad", tree) < 0.3 * model.expected_accepted("good", tree)
+
+
+def flat_policy(step_s: float, per_token_s: float, draft_s: float) -> AdaptivePolicy:
+    """A policy whose target costs step_s + per_token_s per token and whose drafter costs draft_s."""
+    p = AdaptivePolicy()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        p.target_cost.observe(tokens, step_s + per_token_s * tokens)
+    for n in (1, 2, 4, 8, 16, 32):
+        p.draft_cost.observe(3, 2, n, draft_s)
+    return p
+
+
+def test_allocation_picks_the_goodput_optimum():
+    """One request, a chain with estimates 0.9, 0.8, 0.3 on a 10 ms step: at 1 ms per token all three
+    nodes pay, at 10 ms the third does not (2.7 tokens / 40 ms > 3 / 50 ms), at 30 ms only the first."""
+    tree = chain([0.9, 0.8, 0.3])
+    for per_token, expected in ((0.001, 3), (0.010, 2), (0.030, 1)):
+        p = flat_policy(0.010, per_token, 0.0)
+        p.acceptance = AcceptanceModel()  # uncalibrated: estimates = scores (capped by parents)
+        reqs, specs = [request("a")], [SpecParams(3, 2, 6)]
+        p.plan(reqs, specs, 0)
+        (kept,) = p.allocate(reqs, specs, [tree], 0)
+        # brute force over the prefix lengths
+        gains = [0.0, 0.9, 1.7, 2.0]
+        best = max(range(4), key=lambda k: (1 + gains[k]) / p.target_cost.predict(1 + k, 1 if k else 0))
+        assert best == expected and (kept.num_draft if kept else 0) == expected
+
+
+def test_allocation_prefers_likely_nodes_across_requests():
+    p = flat_policy(0.010, 0.004, 0.0)
+    reqs = [request("likely"), request("unlikely")]
+    specs = [SpecParams(3, 2, 6)] * 2
+    p.plan(reqs, specs, 0)
+    likely, unlikely = p.allocate(reqs, specs, [chain([0.95, 0.9, 0.85]), chain([0.05, 0.01, 0.001])], 0)
+    assert likely is not None and likely.num_draft == 3
+    assert unlikely is None
+
+
+def test_tpot_target_limits_the_verified_tokens():
+    """Verifying costs 5 ms a token; a 12 ms TPOT target allows only what keeps the step fast enough."""
+    p = flat_policy(0.010, 0.005, 0.0)
+    tree = chain([0.99, 0.98, 0.97])
+    specs = [SpecParams(3, 2, 6)]
+    free = [request("free")]
+    p.plan(free, specs, 0)
+    (unconstrained,) = p.allocate(free, specs, [tree], 0)
+    tight = [request("tight", tpot=0.0085)]
+    p.plan(tight, specs, 0)
+    (constrained,) = p.allocate(tight, specs, [tree], 0)
+    assert unconstrained.num_draft == 3
+    # k nodes: step 10 + 5 (1 + k) ms over 1 + ~k tokens: k = 3 gives 30/3.94 = 7.6 ms, k = 0 gives 15 ms.
+    assert constrained is not None
+    step = p.target_cost.predict(1 + constrained.num_draft, 1)
+    assert step / (1 + sum(constrained.scores[1:])) <= 0.0085
+
+
+def test_plan_stops_drafting_when_the_drafter_costs_more_than_it_gains():
+    cheap, dear = flat_policy(0.010, 0.0001, 0.001), flat_policy(0.010, 0.0001, 0.050)
+    reqs = [request(f"r{i}") for i in range(8)]
+    caps = [SpecParams(3, 2, 6)] * 8
+    for p in (cheap, dear):
+        p.population_gain.value, p.population_budget.value = 0.5, 2.0  # 0.5 of 2 verified tokens accepted
+    assert all(s is not None for s in cheap.plan(reqs, caps, 0))
+    assert all(s is None for s in dear.plan(reqs, caps, 0))
+
+
+def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
+    tree = DraftTree([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [1.0, 0.6, 0.3, 0.5, 0.1])
+    (kept,) = FixedPolicy().allocate([request("a")], [SpecParams(2, 2, 2)], [tree], 0)
+    assert kept.tokens == [0, 1, 3]
+    p = flat_policy(0.010, 0.05, 0.0)  # speculation never pays here ...
+    fixed = SpecParams(2, 2, 2, fixed=True)
+    assert p.plan([request("a")], [fixed], 0) == [fixed]  # ... but a fixed request keeps its tree
+    (kept,) = p.allocate([request("a")], [fixed], [tree], 0)
+    assert kept.tokens == [0, 1, 3]
+
+
+def test_observed_steps_feed_the_cost_models():
+    p = AdaptivePolicy()
+    p.observe_step(StepRecord(num_tokens=4, target_s=0.02, draft_s=0.005, draft_depth=3, draft_width=2, num_drafted=1))
+    assert p.target_cost.predict(4) == pytest.approx(0.02)
+    assert p.draft_cost.predict(3, 2, 1) == pytest.approx(0.005)
