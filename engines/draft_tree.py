@@ -88,8 +88,9 @@ class DraftTree:
         """Position ids: the root sits at `base`, a node at depth d at `base + d`."""
         return [base + d for d in self.depths]
 
-    def prune(self, budget: int) -> DraftTree:
-        """Keep at most `budget` nodes (root included) with the highest path scores.
+    def prune(self, budget: int, ranking: list[float] | None = None) -> DraftTree:
+        """Keep at most `budget` nodes (root included) with the highest path scores, or the highest
+        values of `ranking` (one per node, never above the parent's; the scores are kept as they are).
 
         Path scores never grow along a path, so the kept set is closed under ancestors; ties are
         broken by node order, which also lists parents before children.
@@ -98,7 +99,7 @@ class DraftTree:
             return self
         if budget < 1:
             raise ValueError("budget must keep at least the root")
-        scores = self.scores or [1.0 / (1 + d) for d in self.depths]
+        scores = ranking or self.scores or [1.0 / (1 + d) for d in self.depths]
         order = sorted(range(1, self.size), key=lambda i: (-scores[i], i))
         keep = {0}
         for i in order:

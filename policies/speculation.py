@@ -251,8 +251,10 @@ class AdaptivePolicy(SpeculationPolicy):
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
         k = self._best_count(requests, nodes, base)
         counts: dict[int, int] = {}
-        for _, j, _ in nodes[:k]:
+        gains: dict[int, float] = {}
+        for e, j, _ in nodes[:k]:
             counts[j] = counts.get(j, 0) + 1
+            gains[j] = gains.get(j, 0.0) + e
         depths, widths, budgets = [], [], []
         for j, est in estimates.items():
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
@@ -262,9 +264,8 @@ class AdaptivePolicy(SpeculationPolicy):
                 st.gain, st.budget = 0.0, 0
                 self.population_gain.add(0.0)
                 continue
-            kept = DraftTree(tree.tokens, tree.parents, est, tree.draft_probs).prune(c + 1)
-            out[j] = kept
-            st.gain, st.budget = sum(kept.scores[1:]), kept.num_draft
+            kept = out[j] = tree.prune(c + 1, ranking=est)  # the drafter's scores stay: calibration reads them
+            st.gain, st.budget = gains[j], kept.num_draft
             self.population_gain.add(st.gain)
             self.population_budget.add(st.budget)
             per_depth = [kept.depths.count(d) for d in range(1, kept.depth + 1)]

@@ -149,3 +149,16 @@ def test_observed_steps_feed_the_cost_models():
     p.observe_step(StepRecord(num_tokens=4, target_s=0.02, draft_s=0.005, draft_depth=3, draft_width=2, num_drafted=1))
     assert p.target_cost.predict(4) == pytest.approx(0.02)
     assert p.draft_cost.predict(3, 2, 1) == pytest.approx(0.005)
+
+
+def test_verified_trees_keep_the_drafters_scores_for_calibration():
+    """The allocation picks nodes by calibrated estimate, but the tree it hands back carries the
+    drafter's own scores: calibrating on estimates would apply the depth factors twice."""
+    p = flat_policy(0.010, 0.0001, 0.0)
+    tree = chain([0.9, 0.8, 0.7])
+    for _ in range(50):  # depth factors well below 1: estimates differ from scores
+        p.acceptance.observe("warm", tree, 0)
+    reqs, specs = [request("a")], [SpecParams(3, 2, 6)]
+    p.plan(reqs, specs, 0)
+    (kept,) = p.allocate(reqs, specs, [tree], 0)
+    assert kept is not None and kept.scores == tree.scores[: kept.size]
