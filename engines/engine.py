@@ -358,17 +358,17 @@ class LLMEngine:
         if not reqs:
             return
         plans = self.policy.plan(reqs, caps, other_tokens)
-        chosen = [(r, p) for r, p in zip(reqs, plans, strict=True) if p is not None]
-        if not chosen:
+        drafting = [r for r, p in zip(reqs, plans, strict=True) if p is not None]
+        specs = [p for p in plans if p is not None]
+        if not drafting:
             return
         start = time.perf_counter()
-        trees = self.drafter.propose([r for r, _ in chosen], [p for _, p in chosen])
+        trees = self.drafter.propose(drafting, specs)
         record.draft_s = time.perf_counter() - start
-        record.num_drafted = len(chosen)
-        record.draft_depth = max(p.depth for _, p in chosen)
-        record.draft_width = max(p.width for _, p in chosen)
-        kept = self.policy.allocate([r for r, _ in chosen], [p for _, p in chosen], trees, other_tokens)
-        for (req, _), tree in zip(chosen, kept, strict=True):
+        record.num_drafted = len(drafting)
+        record.draft_depth = max(p.depth for p in specs)
+        record.draft_width = max(p.width for p in specs)
+        for req, tree in zip(drafting, self.policy.allocate(drafting, specs, trees, other_tokens), strict=True):
             req.draft = tree
 
     def _accept_drafts(self, drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]]) -> list[RequestOutput]:

@@ -7,6 +7,7 @@ requests at the configured tree. The acceptance statistics of these synthetic pr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import TYPE_CHECKING
 
@@ -42,12 +43,7 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
         for n in sizes:
             _run(engine, [[rng.randrange(vocab) for _ in range(n)]], 1, no_spec)
     prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
-    _run(engine, prompts, 12, _full_tree(engine.config.spec))
+    _run(engine, prompts, 12, dataclasses.replace(engine.config.spec, fixed=True))  # the drafter at its full shape
     policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
     policy.population_gain.value, policy.population_budget.value = 1.0, 0.0
     policy.requests.clear()
-
-
-def _full_tree(spec: SpecParams) -> SpecParams:
-    """The configured tree, verified in full (so the drafter is timed at its full shape)."""
-    return SpecParams(depth=spec.depth, width=spec.width, budget=spec.budget, fixed=True)

@@ -168,20 +168,14 @@ class AdaptivePolicy(SpeculationPolicy):
         for i, (req, cap) in enumerate(zip(requests, caps, strict=True)):
             if cap.fixed:
                 continue
-            st = self.requests.get(req.request_id)
-            if st is None:
-                st = self.requests[req.request_id] = _RequestState(cap.depth, cap.width)
+            st = self.requests.setdefault(req.request_id, _RequestState(cap.depth, cap.width))
             st.idle_steps += 1
             if st.history and st.idle_steps < self.settings.probe_every:
                 gain, budget = st.gain, st.budget
             else:  # a probe: optimistic by `explore_bonus`, so a too-low estimate can be corrected
                 gain = max(st.gain if st.history else 0.0, self.population_gain.value) + self.settings.explore_bonus
-                budget = cap.budget
-                budget = (
-                    min(cap.budget, max(1, round(self.population_budget.value)))
-                    if self.population_budget.value
-                    else budget
-                )
+                typical = self.population_budget.value
+                budget = min(cap.budget, max(1, round(typical))) if typical else cap.budget
             if gain >= self.settings.min_gain:
                 options.append((gain, budget, i))
         # Draft for the requests with the best gain per verified token, as many as raise goodput.
@@ -193,11 +187,10 @@ class AdaptivePolicy(SpeculationPolicy):
             gain, budget = gain + g, budget + b
             st = self.requests[requests[i].request_id]
             depth, width = max(depth, min(caps[i].depth, st.depth)), max(width, min(caps[i].width, st.width))
-            step = self.target_cost.predict(base + int(budget), fixed_trees + m) + self.draft_cost.predict(
-                depth, width, m
-            )
-            if (n + gain) / step > best_g:
-                best_m, best_g = m, (n + gain) / step
+            step = self.target_cost.predict(base + int(budget), fixed_trees + m)
+            goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
+            if goodput > best_g:
+                best_m, best_g = m, goodput
         chosen = options[:best_m]
         if not chosen:
             return out

@@ -1,10 +1,13 @@
-"""Small helpers the engine tests share: a KV cache for a model, and one-sequence forwards over it."""
+"""Small helpers the engine tests share: a KV cache for a model, one-sequence forwards over it, and
+randomly initialised draft-model checkpoints."""
 
 from __future__ import annotations
 
 import torch
 
 from engines.attention import SequenceLayout, build_attention_metadata
+from engines.drafters.checkpoint import save_draft_model
+from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
 
@@ -31,3 +34,12 @@ def forward_one(
     meta = build_attention_metadata([layout], "cpu")
     pos = torch.tensor(positions) if positions is not None else torch.arange(num_cached, num_cached + n)
     return model(torch.tensor(tokens), pos, meta, kv)
+
+
+def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder) -> str:
+    """A seeded random draft model (Lyanna or EAGLE) over `engine`'s target, saved in `folder`."""
+    torch.manual_seed(0)
+    target = engine.model
+    cfg = LyannaConfig(engine.model_config, token_info_rank=8)
+    save_draft_model(model_class(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data), folder)
+    return str(folder)

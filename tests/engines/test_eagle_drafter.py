@@ -5,27 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.drafters.checkpoint import load_draft_model, save_draft_model
+from engines.drafters.checkpoint import load_draft_model
 from engines.drafters.eagle_model import EagleDraftModel
-from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.drafters.lyanna_model import LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from engines.training.data import target_hidden_states
 from tests.conftest import CHAT_PROMPTS
+from tests.engines.helpers import random_draft_checkpoint
 
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def eagle_checkpoint(engine_fp32, tmp_path_factory):
-    torch.manual_seed(0)
-    t = engine_fp32.model
-    cfg = LyannaConfig(engine_fp32.model_config, token_info_rank=8)
-    model = EagleDraftModel(cfg, t.embed_tokens.weight.data, t.lm_head_weight.data)
-    folder = tmp_path_factory.mktemp("eagle")
-    save_draft_model(model, folder)
-    return str(folder)
+    return random_draft_checkpoint(EagleDraftModel, engine_fp32, tmp_path_factory.mktemp("eagle"))
 
 
 def eagle_engine(checkpoint, **overrides) -> LLMEngine:

@@ -12,20 +12,14 @@ from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from engines.training.data import target_hidden_states
 from tests.conftest import CHAT_PROMPTS
+from tests.engines.helpers import random_draft_checkpoint
 
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def lyanna_checkpoint(engine_fp32, tmp_path_factory):
-    torch.manual_seed(0)
-    t = engine_fp32.model
-    model = LyannaDraftModel(
-        LyannaConfig(engine_fp32.model_config, token_info_rank=8), t.embed_tokens.weight.data, t.lm_head_weight.data
-    )
-    folder = tmp_path_factory.mktemp("lyanna")
-    save_draft_model(model, folder)
-    return str(folder)
+    return random_draft_checkpoint(LyannaDraftModel, engine_fp32, tmp_path_factory.mktemp("lyanna"))
 
 
 def lyanna_engine(checkpoint, **overrides) -> LLMEngine:
