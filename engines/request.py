@@ -111,6 +111,12 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per verification step so far (accepted drafts + bonus); 1.0 before any."""
+        steps = self.num_spec_steps
+        return (self.num_accepted_tokens + steps) / steps if steps else 1.0
+
     def merged_with(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta."""
         return dataclasses.replace(

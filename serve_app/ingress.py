@@ -57,13 +57,11 @@ def _usage(item: dict[str, Any]) -> Usage:
 
 
 def _spec_stats(item: dict[str, Any]) -> SpeculationStats:
-    steps = item["spec_steps"]
-    per_step = (item["accepted_tokens"] + steps) / steps if steps else 1.0
     return SpeculationStats(
         target_forwards=item["target_forwards"],
         draft_tokens=item["draft_tokens"],
         accepted_tokens=item["accepted_tokens"],
-        accepted_tokens_per_step=per_step,
+        accepted_tokens_per_step=item["tokens_per_step"],
     )
 
 

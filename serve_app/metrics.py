@@ -57,9 +57,8 @@ class ServeMetrics:
         self.generated_tokens.labels(**lb).inc(item["completion_tokens"])
         self.draft_tokens.labels(**lb).inc(item["draft_tokens"])
         self.accepted_tokens.labels(**lb).inc(item["accepted_tokens"])
-        steps = item["spec_steps"]
-        if steps:
-            self.accepted_per_step.labels(**lb).observe((item["accepted_tokens"] + steps) / steps)
+        if item["spec_steps"]:
+            self.accepted_per_step.labels(**lb).observe(item["tokens_per_step"])
 
     def observe_engine(self, stats: dict[str, Any]) -> None:
         """Refresh the engine gauges from a replica's stats."""

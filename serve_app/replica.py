@@ -71,6 +71,7 @@ def stream_item(out: RequestOutput) -> dict[str, Any]:
         "draft_tokens": out.num_draft_tokens,
         "accepted_tokens": out.num_accepted_tokens,
         "spec_steps": out.num_spec_steps,
+        "tokens_per_step": out.tokens_per_step,
     }
 
 
@@ -157,7 +158,6 @@ class LLMReplica:
                 break
         fields: dict[str, Any] = {"chat_id": request_id, "aborted": last is None or not last.finished}
         if last is not None:
-            steps = last.num_spec_steps
             fields |= {
                 "finish_reason": last.finish_reason.value if last.finish_reason else None,
                 "prompt_tokens": last.num_prompt_tokens,
@@ -165,7 +165,7 @@ class LLMReplica:
                 "target_forwards": last.num_forwards,
                 "draft_tokens": last.num_draft_tokens,
                 "accepted_tokens": last.num_accepted_tokens,
-                "accepted_tokens_per_step": (last.num_accepted_tokens + steps) / steps if steps else 1.0,
+                "accepted_tokens_per_step": last.tokens_per_step,
                 "preemptions": last.num_preemptions,
                 "queue_ms": _ms(arrival, scheduled),
                 "prefill_ms": _ms(scheduled, first_token),
