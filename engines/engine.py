@@ -308,7 +308,8 @@ class LLMEngine:
             return []
         outputs = self._forward(sched)
         record.num_tokens, record.target_s = sched.num_tokens, time.perf_counter() - start
-        record.num_trees = sum(s.draft is not None for s in sched.scheduled)
+        trees = [s.draft for s in sched.scheduled if s.draft is not None]
+        record.num_trees, record.num_draft_tokens = len(trees), sum(t.num_draft for t in trees)
         self.policy.observe_step(record)
         return outputs
 

@@ -1,8 +1,8 @@
 """Step-time models: what a target forward over N tokens costs, and what a drafting round costs.
 
 The target's step time is a piecewise-linear curve over the step's token count (flat while the
-device is memory-bound, rising once it saturates compute) plus a per-request overhead for each
-request that verifies a tree (tree masks, verification, KV commits: batch composition). The curve is
+device is memory-bound, rising once it saturates compute) plus an overhead for verifying trees,
+per tree and per draft token (tree masks, verification, KV commits: batch composition). The curve is
 seeded by a start-up profile; both follow the times observed online (exponential moving averages),
 so a model that was profiled cold or on a busy machine corrects itself. The drafter's time is a line in the number of
 requests it drafts for, one line per (depth, width), fitted online by least squares with forgetting.
@@ -11,7 +11,42 @@ requests it drafts for, one line per (depth, width), fitted online by least squa
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
+
+
+@dataclass
+class _TreeOverhead:
+    """Extra seconds of a step that verifies trees, as a·trees + b·draft tokens: least squares through
+    the origin with exponential forgetting (one coefficient alone when the two move together)."""
+
+    forget: float = 0.95
+    stt: float = 0.0
+    stk: float = 0.0
+    skk: float = 0.0
+    str_: float = 0.0
+    skr: float = 0.0
+
+    def add(self, trees: int, tokens: int, residual: float) -> None:
+        f = self.forget
+        self.stt, self.stk, self.skk = (
+            f * self.stt + trees * trees,
+            f * self.stk + trees * tokens,
+            f * self.skk + tokens * tokens,
+        )
+        self.str_, self.skr = f * self.str_ + trees * residual, f * self.skr + tokens * residual
+
+    def coefficients(self) -> tuple[float, float]:
+        """(seconds per tree, seconds per draft token)."""
+        det = self.stt * self.skk - self.stk * self.stk
+        if det > 1e-9 * max(1.0, self.stt * self.skk):
+            a = (self.str_ * self.skk - self.skr * self.stk) / det
+            b = (self.skr * self.stt - self.str_ * self.stk) / det
+            if a >= 0 and b >= 0:
+                return a, b
+            if a < 0 and self.skk > 0:
+                return 0.0, max(0.0, self.skr / self.skk)
+        return (max(0.0, self.str_ / self.stt), 0.0) if self.stt > 0 else (0.0, 0.0)
 
 
 @dataclass
@@ -21,23 +56,19 @@ class TargetCostModel:
     # power-of-two bucket of the token count -> (mean tokens, mean seconds), both moving averages
     points: dict[int, tuple[float, float]] = field(default_factory=dict)
     decay: float = 0.1  # weight of a new observation
-    tree_overhead: float = 0.0  # extra seconds per request that verifies a tree (masks, verification, commits)
+    trees: _TreeOverhead = field(default_factory=_TreeOverhead)  # masks, verification, commits
 
     @staticmethod
     def bucket(tokens: int) -> int:
         """Observations are pooled in power-of-two buckets of the token count."""
         return 1 << max(0, (max(1, tokens) - 1).bit_length())
 
-    def observe(self, tokens: int, seconds: float, num_trees: int = 0) -> None:
+    def observe(self, tokens: int, seconds: float, num_trees: int = 0, num_draft_tokens: int = 0) -> None:
         """Fold one measured step in: plain steps into their bucket, steps that verified trees into the
-        per-tree overhead (what they cost beyond a plain step of as many tokens)."""
+        tree overhead (what they cost beyond a plain step of as many tokens)."""
         if num_trees:
             if self.points:
-                per_tree = max(0.0, seconds - self._plain(tokens)) / num_trees
-                d = self.decay
-                self.tree_overhead = (
-                    per_tree if self.tree_overhead == 0.0 else (1 - d) * self.tree_overhead + d * per_tree
-                )
+                self.trees.add(num_trees, num_draft_tokens, seconds - self._plain(tokens))
             return
         b = self.bucket(tokens)
         old = self.points.get(b)
@@ -47,17 +78,27 @@ class TargetCostModel:
             d = self.decay
             self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
 
-    def predict(self, tokens: int, num_trees: int = 0) -> float:
-        """Seconds for a step of `tokens` tokens of which `num_trees` requests verify draft trees."""
-        return self._plain(tokens) + self.tree_overhead * num_trees
+    def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
+        """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding
+        `num_draft_tokens` draft tokens."""
+        per_tree, per_token = self.trees.coefficients()
+        return self._plain(tokens) + per_tree * num_trees + per_token * num_draft_tokens
+
+    @property
+    def tree_overhead(self) -> float:
+        """Seconds per tree-verifying request beyond a plain step."""
+        return self.trees.coefficients()[0]
 
     def _plain(self, tokens: int) -> float:
-        """A plain step: interpolated between the buckets' means, extrapolated along the last segment
-        past them (never decreasing), flat below the smallest."""
+        """A plain step: interpolated between the buckets' means (made non-decreasing), extrapolated
+        along the last segment past them, flat below the smallest."""
         if not self.points:
             raise ValueError("the target cost model has no measurements; profile it first")
         pts = sorted(self.points.values())
-        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        xs, ys = (
+            [x for x, _ in pts],
+            list(itertools.accumulate((y for _, y in pts), max)),
+        )  # more tokens never cost less
         if tokens <= xs[0]:
             return ys[0]
         i = bisect.bisect_left(xs, tokens)

@@ -44,6 +44,7 @@ class StepRecord:
     draft_width: int = 0
     num_drafted: int = 0  # requests the drafter drafted for
     num_trees: int = 0  # requests that verified a tree in the target forward
+    num_draft_tokens: int = 0  # draft tokens in those trees
 
 
 class SpeculationPolicy(ABC):
@@ -160,8 +161,9 @@ class AdaptivePolicy(SpeculationPolicy):
         if not self.target_cost.ready:
             return list(caps)
         out: list[SpecParams | None] = [cap if cap.fixed else None for cap in caps]
-        base = n + other_tokens + sum(c.budget for c in caps if c.fixed)
+        fixed_tokens = sum(c.budget for c in caps if c.fixed)
         fixed_trees = sum(c.fixed for c in caps)
+        base = n + other_tokens + fixed_tokens
         # Each adaptive request's expected gain and verification cost if it drafts: its own recent
         # figures, or the population's when it has none or they are stale (a probe).
         options: list[tuple[float, int, int]] = []  # (gain, budget, index)
@@ -180,14 +182,14 @@ class AdaptivePolicy(SpeculationPolicy):
                 options.append((gain, budget, i))
         # Draft for the requests with the best gain per verified token, as many as raise goodput.
         options.sort(key=lambda o: (-o[0] / max(1, o[1]), o[2]))
-        best_m, best_g = 0, n / self.target_cost.predict(base, fixed_trees)
+        best_m, best_g = 0, n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
         gain = budget = 0.0
         depth = width = 0
         for m, (g, b, i) in enumerate(options, 1):
             gain, budget = gain + g, budget + b
             st = self.requests[requests[i].request_id]
             depth, width = max(depth, min(caps[i].depth, st.depth)), max(width, min(caps[i].width, st.width))
-            step = self.target_cost.predict(base + int(budget), fixed_trees + m)
+            step = self.target_cost.predict(base + int(budget), fixed_trees + m, fixed_tokens + int(budget))
             goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
             if goodput > best_g:
                 best_m, best_g = m, goodput
@@ -204,7 +206,7 @@ class AdaptivePolicy(SpeculationPolicy):
             share = sum(reach[:d]) / top if top > 0 else d / full
             gain = sum(g for g, _, _ in chosen) * share
             budget = sum(min(b, d * width) for _, b, _ in chosen)
-            step = self.target_cost.predict(base + budget, fixed_trees + len(chosen))
+            step = self.target_cost.predict(base + budget, fixed_trees + len(chosen), fixed_tokens + budget)
             g = (n + gain) / (step + self.draft_cost.predict(d, width, len(chosen)))
             if g > best_g:
                 best_depth, best_g = d, g
@@ -226,6 +228,7 @@ class AdaptivePolicy(SpeculationPolicy):
         if not self.target_cost.ready:
             return [fixed_subtree(t, s) for t, s in zip(trees, specs, strict=True)]
         base = self._step_decoders + self._step_other_tokens
+        fixed_trees = fixed_tokens = 0
         nodes: list[tuple[float, int, int]] = []  # (estimate, request index, node)
         estimates: dict[int, list[float]] = {}
         cut: dict[int, DraftTree] = {}
@@ -234,7 +237,9 @@ class AdaptivePolicy(SpeculationPolicy):
                 continue
             if spec.fixed:
                 out[j] = fixed_subtree(tree, spec)
-                base += out[j].num_draft if out[j] is not None else 0
+                if out[j] is not None:
+                    fixed_trees, fixed_tokens = fixed_trees + 1, fixed_tokens + out[j].num_draft
+                    base += out[j].num_draft
                 continue
             tree = cut[j] = tree.truncate_depth(spec.depth)
             est = estimates[j] = self.acceptance.node_estimates(req.request_id, tree)
@@ -242,7 +247,7 @@ class AdaptivePolicy(SpeculationPolicy):
             best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[: spec.budget]
             nodes.extend((est[i], j, i) for i in best)
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
-        k = self._best_count(requests, nodes, base)
+        k = self._best_count(requests, nodes, base, fixed_trees, fixed_tokens)
         counts: dict[int, int] = {}
         gains: dict[int, float] = {}
         for e, j, _ in nodes[:k]:
@@ -271,10 +276,17 @@ class AdaptivePolicy(SpeculationPolicy):
         self.last_depth = sum(depths) / len(depths) if depths else 0.0
         self.last_width = sum(widths) / len(widths) if widths else 0.0
         self.last_budget = sum(budgets) / len(budgets) if budgets else 0.0
-        self._pending_prediction = self.target_cost.predict(base + k, len(budgets))
+        self._pending_prediction = self.target_cost.predict(base + k, fixed_trees + len(budgets), fixed_tokens + k)
         return out
 
-    def _best_count(self, requests: list[Request], nodes: list[tuple[float, int, int]], base: int) -> int:
+    def _best_count(
+        self,
+        requests: list[Request],
+        nodes: list[tuple[float, int, int]],
+        base: int,
+        fixed_trees: int,
+        fixed_tokens: int,
+    ) -> int:
         """How many of the ordered candidate nodes to verify: the goodput optimum among the counts
         that meet every request's TPOT target (or, if none does, the count closest to meeting them)."""
         n = self._step_decoders
@@ -286,7 +298,7 @@ class AdaptivePolicy(SpeculationPolicy):
             targets[-1] = plain_tpot
         gains = [0.0] * (len(requests) + 1)  # index -1: the plain decoders
         best_k, best_g, best_violation, best_violating_k = 0, -1.0, math.inf, 0
-        total, trees, counted = 0.0, 0, set()
+        total, trees, counted = 0.0, fixed_trees, set()
         for k in range(len(nodes) + 1):
             if k:
                 est, j, _ = nodes[k - 1]
@@ -295,7 +307,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 if j not in counted:
                     counted.add(j)
                     trees += 1
-            t = self.target_cost.predict(base + k, trees)
+            t = self.target_cost.predict(base + k, trees, fixed_tokens + k)
             violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
             if violation <= 1.0:
                 g = (n + total) / t
@@ -308,7 +320,7 @@ class AdaptivePolicy(SpeculationPolicy):
     # ---- learning ---------------------------------------------------------------------------------
     def observe_step(self, record: StepRecord) -> None:
         if record.num_tokens:
-            self.target_cost.observe(record.num_tokens, record.target_s, record.num_trees)
+            self.target_cost.observe(record.num_tokens, record.target_s, record.num_trees, record.num_draft_tokens)
             if self._pending_prediction is not None:  # a step the policy sized: prediction vs outcome
                 self.predicted_step_s.add(self._pending_prediction)
                 self.observed_step_s.add(record.target_s)

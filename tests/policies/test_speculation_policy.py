@@ -37,6 +37,16 @@ def test_target_cost_model_interpolates_and_learns_tree_overhead():
     assert m.predict(8, num_trees=4) == pytest.approx(0.018, rel=1e-3)
 
 
+def test_tree_overhead_separates_per_tree_and_per_draft_token_costs():
+    m = TargetCostModel()
+    m.observe(64, 0.010)  # plain steps cost 10 ms up to 64 tokens
+    m.observe(1, 0.010)
+    for trees, tokens in ((1, 2), (1, 8), (4, 8), (4, 32), (8, 16)) * 20:  # 3 ms a tree, 0.5 ms a draft token
+        m.observe(trees + tokens, 0.010 + 0.003 * trees + 0.0005 * tokens, trees, tokens)
+    assert m.trees.coefficients() == pytest.approx((0.003, 0.0005), rel=1e-6)
+    assert m.predict(20, num_trees=2, num_draft_tokens=18) == pytest.approx(0.010 + 0.006 + 0.009)
+
+
 def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
     m = DraftCostModel()
     for n in (1, 2, 4, 8) * 5:
