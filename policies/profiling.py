@@ -52,5 +52,5 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
     _run(engine, prompts, 12, dataclasses.replace(engine.config.spec, fixed=True))  # the drafter at its full shape
     policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
-    policy.population_gain.value, policy.population_budget.value = 1.0, 0.0
+    policy.kept_by_depth.clear()
     policy.requests.clear()

@@ -12,11 +12,13 @@ step time, subject to each request's time-per-output-token target:
     G(k) = (n + sum of the k best calibrated node estimates) / T_target(base tokens + k)
 
 over k, the number of draft tokens verified in the step, taking nodes across all requests in
-order of their estimates (so a request whose drafts are unlikely gets fewer or none). Drafting is
-skipped for the step when the predicted goodput of drafting, using each request's recent gain and
-budget and the drafter's cost, is below that of plain decoding (re-probed every `probe_every` steps,
-and for requests without history). Depth and width follow the deepest and widest subtrees the
-allocation recently kept, plus one, up to the request's caps.
+order of their estimates (so a request whose drafts are unlikely gets fewer or none). The plan
+picks the drafting depth and the requests to draft for the same way, with the drafter's cost in the
+step time: a request's expected gain at depth d is its calibration multiplier times the observed
+probability of accepting to each depth up to d, its cost the nodes the allocation keeps per depth;
+no request drafts when plain decoding has the better goodput (each request re-probed every
+`probe_every` steps with an exploration bonus). Width follows the widest level the allocation
+recently kept, plus one, up to the request's cap.
 """
 
 from __future__ import annotations
@@ -108,10 +110,12 @@ class AdaptiveSettings:
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
 
+_PRIOR_REACH = 0.6  # assumed P(depth-1 draft accepted) before any verification, and the ratio per depth
+
+
 @dataclass
 class _RequestState:
-    depth: int  # drafting shape for the next step
-    width: int
+    width: int  # drafting width for the next step
     gain: float = 0.0  # expected accepted tokens of its last allocation
     budget: int = 0  # draft tokens verified in its last allocation
     idle_steps: int = 0  # steps since it last drafted
@@ -122,9 +126,11 @@ class _RequestState:
 class _Ema:
     value: float = 0.0
     weight: float = 0.05
+    count: int = 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.value == 0.0 else (1 - self.weight) * self.value + self.weight * x
+        self.value = x if self.count == 0 else (1 - self.weight) * self.value + self.weight * x
+        self.count += 1
 
 
 @dataclass
@@ -144,10 +150,8 @@ class AdaptivePolicy(SpeculationPolicy):
     last_drafted: int = 0
     predicted_step_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
-    # Gain and budget of allocations across requests: the estimate for a request without its own.
-    # Optimistic before any data (one accepted token per drafting request), so drafting gets tried.
-    population_gain: _Ema = field(default_factory=lambda: _Ema(1.0))
-    population_budget: _Ema = field(default_factory=_Ema)
+    # Nodes the allocation keeps per depth (1-based): what a request drafting that deep will verify.
+    kept_by_depth: list[_Ema] = field(default_factory=list)
     _pending_prediction: float | None = None
     _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
     _step_other_tokens: int = 0
@@ -164,61 +168,63 @@ class AdaptivePolicy(SpeculationPolicy):
         fixed_tokens = sum(c.budget for c in caps if c.fixed)
         fixed_trees = sum(c.fixed for c in caps)
         base = n + other_tokens + fixed_tokens
-        # Each adaptive request's expected gain and verification cost if it drafts: its own recent
-        # figures, or the population's when it has none or they are stale (a probe).
-        options: list[tuple[float, int, int]] = []  # (gain, budget, index)
-        for i, (req, cap) in enumerate(zip(requests, caps, strict=True)):
-            if cap.fixed:
-                continue
-            st = self.requests.setdefault(req.request_id, _RequestState(cap.depth, cap.width))
-            st.idle_steps += 1
-            if st.history and st.idle_steps < self.settings.probe_every:
-                gain, budget = st.gain, st.budget
-            else:  # a probe: optimistic by `explore_bonus`, so a too-low estimate can be corrected
-                gain = max(st.gain if st.history else 0.0, self.population_gain.value) + self.settings.explore_bonus
-                typical = self.population_budget.value
-                budget = min(cap.budget, max(1, round(typical))) if typical else cap.budget
-            if gain >= self.settings.min_gain:
-                options.append((gain, budget, i))
-        # Draft for the requests with the best gain per verified token, as many as raise goodput.
-        options.sort(key=lambda o: (-o[0] / max(1, o[1]), o[2]))
-        best_m, best_g = 0, n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
-        gain = budget = 0.0
-        depth = width = 0
-        for m, (g, b, i) in enumerate(options, 1):
-            gain, budget = gain + g, budget + b
-            st = self.requests[requests[i].request_id]
-            depth, width = max(depth, min(caps[i].depth, st.depth)), max(width, min(caps[i].width, st.width))
-            step = self.target_cost.predict(base + int(budget), fixed_trees + m, fixed_tokens + int(budget))
-            goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
-            if goodput > best_g:
-                best_m, best_g = m, goodput
-        chosen = options[:best_m]
-        if not chosen:
+        adaptive = [i for i, cap in enumerate(caps) if not cap.fixed]
+        if not adaptive:
             return out
-        # The drafting depth: the one with the best predicted goodput for the chosen requests, their
-        # gains rescaled by the population's acceptance by depth (deeper drafts cost drafter time).
-        reach = self.acceptance.observed_by_depth
-        full = max(min(caps[i].depth, self.requests[requests[i].request_id].depth) for _, _, i in chosen)
-        top = sum(reach[:full]) if reach else 0.0
-        best_depth, best_g = full, -1.0
-        for d in range(1, full + 1):
-            share = sum(reach[:d]) / top if top > 0 else d / full
-            gain = sum(g for g, _, _ in chosen) * share
-            budget = sum(min(b, d * width) for _, b, _ in chosen)
-            step = self.target_cost.predict(base + budget, fixed_trees + len(chosen), fixed_tokens + budget)
-            g = (n + gain) / (step + self.draft_cost.predict(d, width, len(chosen)))
-            if g > best_g:
-                best_depth, best_g = d, g
-        for _, _, i in chosen:
-            st = self.requests[requests[i].request_id]
-            st.idle_steps = 0
+        states = {}
+        for i in adaptive:
+            st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState(caps[i].width))
+            st.idle_steps += 1
+        max_depth = max(caps[i].depth for i in adaptive)
+        reach = self.reach(max_depth)
+        # For each drafting depth, the requests worth drafting for (best expected gain per verified
+        # token first) and the goodput of drafting for them, drafter time included; keep the best.
+        best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
+        best_depth, best_chosen = 0, []
+        for depth in range(1, max_depth + 1):
+            options: list[tuple[float, int, int]] = []  # (gain, budget, index)
+            for i in adaptive:
+                st, cap = states[i], caps[i]
+                d, w = min(cap.depth, depth), min(cap.width, states[i].width)
+                gain = self.acceptance.request_factor(requests[i].request_id) * sum(reach[:d])
+                if not st.history or st.idle_steps >= self.settings.probe_every:
+                    gain += self.settings.explore_bonus  # a probe: optimism, so a low estimate can recover
+                budget = min(cap.budget, max(1, round(sum(self._kept_nodes(k, w) for k in range(1, d + 1)))))
+                if gain >= self.settings.min_gain:
+                    options.append((gain, budget, i))
+            options.sort(key=lambda o: (-o[0] / o[1], o[2]))
+            gain = budget = width = 0
+            for m, (g, b, i) in enumerate(options, 1):
+                gain, budget = gain + g, budget + b
+                width = max(width, min(caps[i].width, states[i].width))
+                step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
+                goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
+                if goodput > best_goodput:
+                    best_goodput, best_depth, best_chosen = goodput, depth, [i for _, _, i in options[:m]]
+        for i in best_chosen:
+            states[i].idle_steps = 0
             out[i] = SpecParams(
-                depth=min(caps[i].depth, st.depth, best_depth),
-                width=min(caps[i].width, st.width),
+                depth=min(caps[i].depth, best_depth),
+                width=min(caps[i].width, states[i].width),
                 budget=caps[i].budget,
             )
         return out
+
+    def reach(self, max_depth: int) -> list[float]:
+        """P(a verified tree's accepted path reaches depth d), d = 1..max_depth: observed where trees
+        reached that deep, extrapolated geometrically below (optimistic before any data)."""
+        seen = list(self.acceptance.observed_by_depth[:max_depth])
+        ratio = seen[-1] / seen[-2] if len(seen) >= 2 and seen[-2] > 0 else _PRIOR_REACH
+        out = seen or [_PRIOR_REACH]
+        while len(out) < max_depth:
+            out.append(out[-1] * min(1.0, ratio))
+        return out[:max_depth]
+
+    def _kept_nodes(self, depth: int, width: int) -> float:
+        """Nodes the allocation typically keeps at a depth (the drafting width before any data)."""
+        if depth <= len(self.kept_by_depth) and self.kept_by_depth[depth - 1].count:
+            return min(float(width), self.kept_by_depth[depth - 1].value)
+        return float(width)
 
     # ---- verification budget ----------------------------------------------------------------------
     def allocate(
@@ -256,18 +262,18 @@ class AdaptivePolicy(SpeculationPolicy):
         depths, widths, budgets = [], [], []
         for j, est in estimates.items():
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
-            st = self.requests.setdefault(req.request_id, _RequestState(specs[j].depth, specs[j].width))
+            st = self.requests.setdefault(req.request_id, _RequestState(specs[j].width))
             st.history = True
             if c == 0:
                 st.gain, st.budget = 0.0, 0
-                self.population_gain.add(0.0)
                 continue
             kept = out[j] = tree.prune(c + 1, ranking=est)  # the drafter's scores stay: calibration reads them
             st.gain, st.budget = gains[j], kept.num_draft
-            self.population_gain.add(st.gain)
-            self.population_budget.add(st.budget)
-            per_depth = [kept.depths.count(d) for d in range(1, kept.depth + 1)]
-            st.depth = min(specs[j].depth + 1, kept.depth + 1)
+            per_depth = [kept.depths.count(d) for d in range(1, tree.depth + 1)]
+            while len(self.kept_by_depth) < len(per_depth):
+                self.kept_by_depth.append(_Ema(weight=0.05))
+            for ema, nodes in zip(self.kept_by_depth, per_depth, strict=False):
+                ema.add(float(nodes))
             st.width = max(1, min(specs[j].width + 1, max(per_depth) + 1))
             depths.append(kept.depth)
             widths.append(max(per_depth))

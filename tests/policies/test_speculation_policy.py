@@ -137,10 +137,30 @@ def test_plan_stops_drafting_when_the_drafter_costs_more_than_it_gains():
     cheap, dear = flat_policy(0.010, 0.0001, 0.001), flat_policy(0.010, 0.0001, 0.050)
     reqs = [request(f"r{i}") for i in range(8)]
     caps = [SpecParams(3, 2, 6)] * 8
-    for p in (cheap, dear):
-        p.population_gain.value, p.population_budget.value = 0.5, 2.0  # 0.5 of 2 verified tokens accepted
+    for p in (cheap, dear):  # trees reach depth 1, 2, 3 with p = 0.3, 0.15, 0.05: 0.5 accepted tokens
+        p.settings.explore_bonus = 0.0
+        p.acceptance.observed_by_depth = [0.3, 0.15, 0.05]
     assert all(s is not None for s in cheap.plan(reqs, caps, 0))
     assert all(s is None for s in dear.plan(reqs, caps, 0))
+
+
+def test_plan_picks_the_goodput_optimal_depth():
+    """Acceptance reaches depth 1, 2, 3 with p = 0.8, 0.6, 0.1; the target costs 10 ms + 1 ms a token,
+    the drafter 2 ms a depth level: depth 2 has the best goodput (2.4 tokens / 17 ms)."""
+    p = flat_policy(0.010, 0.001, 0.0)
+    p.draft_cost = DraftCostModel()
+    p.draft_cost.observe(1, 1, 1, 0.002)
+    p.settings.explore_bonus = 0.0
+    p.acceptance.observed_by_depth = [0.8, 0.6, 0.1]
+    reach = [0.8, 0.6, 0.1]
+
+    def goodput(d: int) -> float:
+        return (1 + sum(reach[:d])) / (p.target_cost.predict(1 + d, 1 if d else 0, d) + p.draft_cost.predict(d, 1, 1))
+
+    assert max(range(4), key=goodput) == 2
+    (spec,) = p.plan([request("a")], [SpecParams(3, 1, 3)], 0)
+    assert spec is not None and spec.depth == 2
+    assert p.reach(5)[3:] == pytest.approx([0.1 / 6, 0.1 / 36])  # extrapolated by the last ratio
 
 
 def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
