@@ -16,9 +16,10 @@ order of their estimates (so a request whose drafts are unlikely gets fewer or n
 picks the drafting depth and the requests to draft for the same way, with the drafter's cost in the
 step time: a request's expected gain at depth d is its calibration multiplier times the observed
 probability of accepting to each depth up to d, its cost the nodes the allocation keeps per depth;
-no request drafts when plain decoding has the better goodput (each request re-probed every
-`probe_every` steps with an exploration bonus). Width follows the widest level the allocation
-recently kept, plus one, up to the request's cap.
+no request drafts when plain decoding has the better goodput (a request whose own multiplier fell
+is re-probed every `probe_every` steps as if average; no probe drafts where drafting does not pay
+at the global acceptance rate, so large batches on a compute-bound device stop drafting altogether).
+Width follows the widest level the allocation recently kept, plus one, up to the request's cap.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class AdaptiveSettings:
 
     probe_every: int = 16  # steps between drafts for a request the policy stopped drafting for
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
-    explore_bonus: float = 0.5  # accepted tokens added to a probe's estimate (optimism under uncertainty)
+    explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
 
@@ -186,9 +187,14 @@ class AdaptivePolicy(SpeculationPolicy):
             for i in adaptive:
                 st, cap = states[i], caps[i]
                 d, w = min(cap.depth, depth), min(cap.width, states[i].width)
-                gain = self.acceptance.request_factor(requests[i].request_id) * sum(reach[:d])
+                factor = self.acceptance.request_factor(requests[i].request_id)
+                if st.history and st.idle_steps >= self.settings.probe_every:
+                    # A probe: the request is assumed at least average again, so a multiplier that
+                    # fell on a bad stretch can recover; drafting still has to pay at the global rate.
+                    factor = max(factor, 1.0)
+                gain = factor * sum(reach[:d])
                 if not st.history or st.idle_steps >= self.settings.probe_every:
-                    gain += self.settings.explore_bonus  # a probe: optimism, so a low estimate can recover
+                    gain += self.settings.explore_bonus
                 budget = min(cap.budget, max(1, round(sum(self._kept_nodes(k, w) for k in range(1, d + 1)))))
                 if gain >= self.settings.min_gain:
                     options.append((gain, budget, i))

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
+from policies.slo import SLOSettings
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
 from serve_app.tracing import TracingSettings
@@ -19,11 +20,12 @@ class AppArgs(BaseModel):
 
     engine: EngineSettings = Field(default_factory=EngineSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    slo: SLOSettings = Field(default_factory=SLOSettings)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ingress -> LLM replicas, with the engine settings given as application arguments."""
     parsed = AppArgs.model_validate(args or {})
-    tracing = parsed.tracing.model_dump()
-    replica = LLMReplica.bind(parsed.engine.model_dump(), tracing)
-    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing)
+    tracing, slo = parsed.tracing.model_dump(), parsed.slo.model_dump()
+    replica = LLMReplica.bind(parsed.engine.model_dump(), tracing, slo)
+    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing, slo)

@@ -3,6 +3,7 @@
 (No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.)
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -19,6 +20,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from engines.errors import InvalidRequestError
+from policies.slo import SLOSettings, SLOTarget
 from serve_app import tracing
 from serve_app.metrics import ServeMetrics
 from serve_app.schemas import (
@@ -46,6 +49,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     kind = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded"}.get(status, "error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def _replica_header(first: dict[str, Any]) -> dict[str, str]:
+    """`x-lyanna-replica`: which LLM replica served the request (routing is visible to clients)."""
+    return {"x-lyanna-replica": str(first.get("replica", ""))}
 
 
 def _usage(item: dict[str, Any]) -> Usage:
@@ -91,8 +99,10 @@ class Ingress:
         served_model_name: str = "smollm2-135m-instruct",
         drafter: str = "none",
         tracing_settings: dict[str, Any] | None = None,
+        slo_settings: dict[str, Any] | None = None,
     ):
         self.llm = llm.options(stream=True)
+        self.slo = SLOSettings.model_validate(slo_settings or {})
         self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "ingress")
         self.llm_unary = llm
         self.model_name = served_model_name
@@ -108,6 +118,14 @@ class Ingress:
     async def engine_stats(self) -> dict[str, Any]:
         """One replica's load: running and waiting requests, free KV blocks."""
         return await self.llm_unary.stats.remote()
+
+    @app.get("/debug/replicas")
+    async def replica_counts(self) -> dict[str, int]:
+        """Running replicas per deployment of this application (load tests plot them over time)."""
+        app_name = serve.get_replica_context().app_name
+        status = await asyncio.to_thread(serve.status)
+        deployments = status.applications[app_name].deployments
+        return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
@@ -158,6 +176,10 @@ class Ingress:
             return error_response(400, f"{param}: {first['msg']}", param=param, code="invalid_request")
         if req.model != self.model_name:
             return error_response(404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model")
+        try:
+            target = req.slo_target(self.slo)
+        except InvalidRequestError as e:
+            return error_response(400, e.message, e.param, e.code)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         _request_attributes(span, req, rid)
         stream = self.llm.generate.remote(body, rid, tracing.inject(span))
@@ -174,15 +196,15 @@ class Ingress:
         first_time = time.perf_counter() if first["completion_tokens"] else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._sse(rid, first, stream, include_usage, start, first_time, span)
-            return StreamingResponse(events, media_type="text/event-stream")
+            events = self._sse(rid, first, stream, include_usage, start, first_time, span, target)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_replica_header(first))
         text, last = first["text"], first
         async for item in stream:
             if first_time is None and item["completion_tokens"]:
                 first_time = time.perf_counter()
             text += item["text"]
             last = item
-        self._finished(span, rid, last, start, first_time, stream=False)
+        self._finished(span, rid, last, start, first_time, target, stream=False)
         body = ChatCompletionResponse(
             id=rid,
             model=self.model_name,
@@ -190,14 +212,21 @@ class Ingress:
             usage=_usage(last),
             speculation=_spec_stats(last),
         )
-        return JSONResponse(body.model_dump())
+        return JSONResponse(body.model_dump(), headers=_replica_header(first))
 
     def _finished(
-        self, span: Span, rid: str, last: dict[str, Any], start: float, first_time: float | None, stream: bool
+        self,
+        span: Span,
+        rid: str,
+        last: dict[str, Any],
+        start: float,
+        first_time: float | None,
+        target: SLOTarget,
+        stream: bool,
     ) -> None:
-        """Record a completed request: metrics, span attributes, one log line."""
+        """Record a completed request: metrics (SLO attainment included), span attributes, one log line."""
         end = time.perf_counter()
-        self.metrics.observe_finished(last, start, first_time, end)
+        met = self.metrics.observe_finished(last, start, first_time, end, target)
         stats = _spec_stats(last)
         fields = {
             "chat_id": rid,
@@ -208,6 +237,8 @@ class Ingress:
             "accepted_tokens_per_step": round(stats.accepted_tokens_per_step, 3),
             "ttft_ms": round((first_time - start) * 1e3, 3) if first_time is not None else None,
             "e2e_ms": round((end - start) * 1e3, 3),
+            "slo_class": target.slo_class,
+            "slo_met": met,
         }
         span.set_attribute("gen_ai.response.finish_reasons", [last["finish_reason"]])
         span.set_attribute("gen_ai.usage.input_tokens", last["prompt_tokens"])
@@ -224,6 +255,7 @@ class Ingress:
         start: float,
         first_time: float | None,
         span: Span,
+        target: SLOTarget,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -245,7 +277,7 @@ class Ingress:
                 item = await anext(stream)
                 if first_time is None and item["completion_tokens"]:
                     first_time = time.perf_counter()
-            self._finished(span, rid, item, start, first_time, stream=True)
+            self._finished(span, rid, item, start, first_time, target, stream=True)
             completed = True
             yield "data: [DONE]\n\n"
         finally:

@@ -2,8 +2,10 @@
 
 Request-level metrics are observed at the ingress from each request's stream: counts by status,
 TTFT, TPOT, end-to-end latency, prompt/generated tokens, accepted tokens per step, draft tokens
-proposed and accepted. Engine gauges (batch size, queue length, KV-cache use) are refreshed from an
-LLM replica at scrape time.
+proposed and accepted, and requests by SLO class and whether they met their targets (goodput).
+Replica gauges (batch size, queue length, KV-cache use, SLO attainment, and the speculation policy's
+latest choices with its predicted vs observed acceptance and step time) are refreshed from an LLM
+replica at scrape time, labelled by replica.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from policies.slo import SLOTarget
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -40,31 +44,71 @@ class ServeMetrics:
         self.batch_size = Gauge("lyanna_batch_size", "Running requests on a replica", names, registry=r)
         self.queue_length = Gauge("lyanna_queue_length", "Waiting requests on a replica", names, registry=r)
         self.kv_usage = Gauge("lyanna_kv_cache_usage", "Fraction of KV blocks in use on a replica", names, registry=r)
+        self.slo_requests = Counter(
+            "lyanna_slo_requests",
+            "Finished requests with SLO targets, by class and outcome",
+            [*names, "slo_class", "met"],
+            registry=r,
+        )
+        per_replica = [*names, "replica"]
+        self.slo_attainment = Gauge(
+            "lyanna_slo_attainment", "Share of a replica's recent requests meeting targets", per_replica, registry=r
+        )
+        self.policy = {
+            key: Gauge(f"lyanna_spec_policy_{key}", doc, per_replica, registry=r)
+            for key, doc in (
+                ("drafted_requests", "Requests the speculation policy drafted for in its latest step"),
+                ("depth", "Mean verified tree depth in the policy's latest step"),
+                ("width", "Mean verified tree width in the policy's latest step"),
+                ("budget", "Mean draft tokens verified per drafted request in the policy's latest step"),
+                ("predicted_accepted", "Accepted draft tokens per verified tree: the policy's prediction (average)"),
+                ("observed_accepted", "Accepted draft tokens per verified tree: observed (average)"),
+                ("predicted_step_s", "Target step seconds: the policy's prediction (average)"),
+                ("observed_step_s", "Target step seconds: observed (average)"),
+            )
+        }
 
     def observe_status(self, status: int) -> None:
         """Count one answered request."""
         self.requests.labels(**self.labels, status=str(status)).inc()
 
-    def observe_finished(self, item: dict[str, Any], start: float, first: float | None, end: float) -> None:
-        """Record a finished request from its last stream item and its timestamps (perf_counter)."""
+    def observe_finished(
+        self, item: dict[str, Any], start: float, first: float | None, end: float, target: SLOTarget | None = None
+    ) -> bool | None:
+        """Record a finished request from its last stream item and its timestamps (perf_counter);
+        returns whether it met its SLO targets (None without targets)."""
         lb = self.labels
         self.e2e.labels(**lb).observe(end - start)
+        ttft = tpot = None
         if first is not None:
-            self.ttft.labels(**lb).observe(first - start)
+            ttft = first - start
+            self.ttft.labels(**lb).observe(ttft)
             if item["completion_tokens"] > 1:
-                self.tpot.labels(**lb).observe((end - first) / (item["completion_tokens"] - 1))
+                tpot = (end - first) / (item["completion_tokens"] - 1)
+                self.tpot.labels(**lb).observe(tpot)
+        met = None
+        if target is not None and target.has_target:
+            met = target.met(ttft, tpot)
+            self.slo_requests.labels(**lb, slo_class=target.slo_class or "custom", met=str(met).lower()).inc()
         self.prompt_tokens.labels(**lb).inc(item["prompt_tokens"])
         self.generated_tokens.labels(**lb).inc(item["completion_tokens"])
         self.draft_tokens.labels(**lb).inc(item["draft_tokens"])
         self.accepted_tokens.labels(**lb).inc(item["accepted_tokens"])
         if item["spec_steps"]:
             self.accepted_per_step.labels(**lb).observe(item["tokens_per_step"])
+        return met
 
     def observe_engine(self, stats: dict[str, Any]) -> None:
         """Refresh the engine gauges from a replica's stats."""
         self.batch_size.labels(**self.labels).set(stats["num_running"])
         self.queue_length.labels(**self.labels).set(stats["num_waiting"])
         self.kv_usage.labels(**self.labels).set(stats["kv_cache_usage"])
+        replica = {**self.labels, "replica": stats["replica"]}
+        if stats["slo_attainment"] is not None:
+            self.slo_attainment.labels(**replica).set(stats["slo_attainment"])
+        for key, value in stats["policy"].items():
+            if key in self.policy:
+                self.policy[key].labels(**replica).set(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -5,6 +5,9 @@ calls through a DeploymentHandle. Its first item is either an error (a dict with
 `status`, for bad requests) or the request's first delta, so the ingress can answer with the right
 status before it starts a stream. Cancelling the call (a client that went away) aborts the request
 in the engine and frees its KV blocks.
+
+The replica reports its load to the request router (`record_routing_stats`) and its SLO attainment
+to the autoscaler (`record_autoscaling_stats`); see policies/routing.py and policies/autoscaling.py.
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from engines.async_engine import AsyncEngine
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
 from engines.request import RequestOutput
 from engines.spec_params import SpecParams
+from policies.slo import SLOSettings, SLOTarget, SLOTracker
 from serve_app import tracing
 from serve_app.schemas import ChatCompletionRequest
 from serve_app.tracing import TracingSettings
@@ -52,6 +57,7 @@ class EngineSettings(BaseModel):
     spec_depth: int = SpecParams.depth
     spec_width: int = SpecParams.width
     spec_budget: int = SpecParams.budget
+    spec_policy: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the spec_* values are caps
 
     def engine_config(self) -> EngineConfig:
         """The engine's own config."""
@@ -75,6 +81,13 @@ def stream_item(out: RequestOutput) -> dict[str, Any]:
     }
 
 
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # outside a Serve replica
+        return "local"
+
+
 def _ms(begin: float | None, end: float | None) -> float | None:
     return None if begin is None or end is None else round((end - begin) * 1e3, 3)
 
@@ -95,16 +108,25 @@ def error_item(err: InvalidRequestError) -> dict[str, Any]:
 class LLMReplica:
     """Hosts one engine; streams deltas for chat requests."""
 
-    def __init__(self, settings: dict[str, Any] | None = None, tracing_settings: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        settings: dict[str, Any] | None = None,
+        tracing_settings: dict[str, Any] | None = None,
+        slo_settings: dict[str, Any] | None = None,
+    ):
         self.settings = EngineSettings.model_validate(settings or {})
+        self.slo = SLOSettings.model_validate(slo_settings or {})
+        self.slo_tracker = SLOTracker()
         self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "replica")
         self.engine = LLMEngine(self.settings.engine_config())
         self.async_engine = AsyncEngine(self.engine)
+        self.replica_id = _replica_id()
 
     async def generate(
         self, body: dict[str, Any], request_id: str, trace_context: dict[str, str] | None = None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Deltas of one chat completion: {text, token_ids, finish_reason, usage, speculation}.
+        """Deltas of one chat completion: {text, token_ids, finish_reason, usage, speculation}; the
+        first also names the replica.
 
         `trace_context` is the ingress span's W3C carrier; this request's spans become its children.
         """
@@ -112,27 +134,39 @@ class LLMReplica:
         span = self.tracer.start_span("generate", context=tracing.extract(trace_context))
         last: RequestOutput | None = None
         error: str | None = None
+        target = SLOTarget()
         try:
             try:
                 req = ChatCompletionRequest.model_validate(body)
                 params = req.sampling_params(self.engine.model_config.vocab_size)
-                spec = req.spec_params(self.engine.config.spec)
-                stream = self.async_engine.generate(req.conversation(), params, request_id, spec=spec)
+                spec = req.spec_params(self.engine.config.spec, self.settings.spec_policy)
+                target = req.slo_target(self.slo)
+                stream = self.async_engine.generate(
+                    req.conversation(), params, request_id, spec=spec, tpot_target_s=target.tpot_s
+                )
                 last = await anext(stream)
             except InvalidRequestError as e:
                 error = e.message
                 yield error_item(e)
                 return
-            while True:
-                yield stream_item(last)
-                if last.finished:
-                    return
+            yield stream_item(last) | {"replica": self.replica_id}  # the first item names the replica
+            while not last.finished:
                 last = await anext(stream)
+                yield stream_item(last)
         finally:
-            self._record(span, request_id, start, last, error)
+            self._record(span, request_id, start, last, error, target)
 
-    def _record(self, span: Span, request_id: str, start: float, last: RequestOutput | None, error: str | None) -> None:
-        """End the request's span with its queue/prefill/decode children; log one line for it."""
+    def _record(
+        self,
+        span: Span,
+        request_id: str,
+        start: float,
+        last: RequestOutput | None,
+        error: str | None,
+        target: SLOTarget,
+    ) -> None:
+        """End the request's span with its queue/prefill/decode children; log one line for it; count
+        a finished request with targets toward SLO attainment."""
         end = time.monotonic()
         if error is not None:
             span.set_status(StatusCode.ERROR, error)
@@ -171,6 +205,13 @@ class LLMReplica:
                 "prefill_ms": _ms(scheduled, first_token),
                 "decode_ms": _ms(first_token, end),
             }
+            if last.finished and target.has_target:
+                ttft = None if first_token is None else first_token - arrival
+                tokens = last.num_output_tokens
+                tpot = (end - first_token) / (tokens - 1) if first_token is not None and tokens > 1 else None
+                met = target.met(ttft, tpot)
+                self.slo_tracker.record(end, met)
+                fields |= {"slo_class": target.slo_class, "slo_met": met}
         for key, value in fields.items():
             if value is not None:
                 span.set_attribute(f"lyanna.{key}", value)
@@ -178,15 +219,36 @@ class LLMReplica:
         log.info("request %s", "aborted" if fields["aborted"] else "finished", extra=fields)
 
     def stats(self) -> dict[str, Any]:
-        """Engine load: running/waiting requests and KV blocks (tests and debugging)."""
+        """Engine load (running/waiting requests, KV blocks), SLO attainment and the speculation
+        policy's latest decisions and predictions (metrics, tests and debugging)."""
         s = self.engine.stats()
+        now = time.monotonic()
         return {
+            "replica": self.replica_id,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "kv_free_blocks": s.kv_free_blocks,
             "kv_cache_usage": s.kv_cache_usage,
             "num_forwards": s.num_forwards,
             "busy_seconds": s.busy_seconds,
+            "slo_attainment": self.slo_tracker.attainment(now),
+            "slo_requests": self.slo_tracker.count(now),
+            "spec_policy": self.engine.policy.name,
+            "policy": self.engine.policy.stats(),
+        }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load for the request router (policies/routing.py), polled every few seconds by Serve."""
+        s = self.engine.stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """SLO attainment over the last window for the autoscaling policy (policies/autoscaling.py)."""
+        now = time.monotonic()
+        attainment = self.slo_tracker.attainment(now)
+        return {
+            "slo_attainment": 1.0 if attainment is None else attainment,
+            "slo_requests": float(self.slo_tracker.count(now)),
         }
 
     def check_health(self) -> None:

@@ -3,8 +3,8 @@
 Structure and types are checked here (unknown fields, wrong types, empty message lists, n != 1);
 value ranges (temperature, top_p, ...) are checked by the engine's own `SamplingParams.validate` and
 `SpecParams.validate`, so the HTTP path and offline use share one set of rules and messages.
-Extensions beyond OpenAI's fields: `top_k`, `min_p`, `speculation` (drafter on/off and tree
-overrides) and `slo` (a latency class or explicit targets for the policy layer).
+Extensions beyond OpenAI's fields: `top_k`, `min_p`, `speculation` (drafter on/off, tree
+overrides, the speculation policy) and `slo` (a latency class or explicit targets for the policy layer).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engines.errors import InvalidRequestError
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
+from policies.slo import SLOSettings, SLOTarget
 
 
 class _Strict(BaseModel):
@@ -50,12 +51,16 @@ class StreamOptions(_Strict):
 
 
 class SpeculationOptions(_Strict):
-    """Extension: per-request speculation (None fields keep the server's or policy's choice)."""
+    """Extension: per-request speculation (None fields keep the server's or policy's choice).
+
+    Under the adaptive policy depth/width/budget are caps; `policy: fixed` verifies exactly that tree
+    every step."""
 
     enabled: bool = True
     depth: int | None = None
     width: int | None = None
     budget: int | None = None
+    policy: Literal["fixed", "adaptive"] | None = None
 
 
 class SLOOptions(_Strict):
@@ -103,17 +108,32 @@ class ChatCompletionRequest(_Strict):
         )
         return params.validate(vocab_size)
 
-    def spec_params(self, default: SpecParams) -> SpecParams:
+    def spec_params(self, default: SpecParams, server_policy: str = "fixed") -> SpecParams:
         """The request's speculation: the server default with the request's overrides."""
         opts = self.speculation
         if opts is None:
             return default
+        if opts.policy == "adaptive" and server_policy != "adaptive":
+            raise InvalidRequestError(
+                f"speculation.policy 'adaptive' needs a server started with spec_policy: adaptive (this one: "
+                f"{server_policy!r})",
+                param="speculation.policy",
+            )
         return SpecParams(
             depth=opts.depth if opts.depth is not None else default.depth,
             width=opts.width if opts.width is not None else default.width,
             budget=opts.budget if opts.budget is not None else default.budget,
             enabled=opts.enabled,
+            fixed=opts.policy == "fixed",
         ).validate()
+
+    def slo_target(self, settings: SLOSettings) -> SLOTarget:
+        """The request's latency targets (its own, else its class's); an unknown class is a bad request."""
+        slo = self.slo or SLOOptions()
+        try:
+            return settings.target(slo.slo_class, slo.ttft_ms, slo.tpot_ms)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="slo.class") from None
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them."""

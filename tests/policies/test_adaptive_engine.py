@@ -24,3 +24,13 @@ def test_adaptive_greedy_output_equals_the_target_alone(engine_fp32):
     stats = policy.stats()
     assert stats["observed_step_s"] > 0 and stats["predicted_step_s"] > 0
     assert not policy.requests, "finished requests leave no state behind"
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "ngram"])
+def test_adaptive_policy_drives_every_drafter_losslessly(engine_fp32, drafter):
+    adaptive = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, spec_policy="adaptive", drafter=drafter))
+    params = SamplingParams(temperature=0, max_tokens=32)
+    ours = adaptive.generate(CHAT_PROMPTS, params)
+    alone = engine_fp32.generate(CHAT_PROMPTS, params)
+    assert [o.token_ids for o in ours] == [a.token_ids for a in alone]
+    assert adaptive.policy.draft_cost.ready and adaptive.spec_stats.num_steps > 0  # it drafted and verified

@@ -99,6 +99,11 @@ def test_streaming_deltas_add_up_to_the_completion(client):
         ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
         ({"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, None),
+        ({"model": MODEL, "messages": MESSAGES, "slo": {"class": "gold"}}, 400, "slo.class"),
+        ({"model": MODEL, "messages": MESSAGES, "slo": {"tpot_ms": -5}}, 400, "slo.tpot_ms"),
+        # this server runs the fixed policy: asking for the adaptive one is an error, not a silent no-op
+        ({"model": MODEL, "messages": MESSAGES, "speculation": {"policy": "adaptive"}}, 400, "speculation.policy"),
+        ({"model": MODEL, "messages": MESSAGES, "speculation": {"policy": "greedy"}}, 400, "speculation.policy"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(base_url, client, body, status, param):
@@ -161,8 +166,19 @@ def test_sixteen_concurrent_streams_across_two_replicas_match_offline(base_url):
     assert got == [o.text for o in offline]
 
 
+def test_replica_header_and_replica_counts(base_url):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "speculation": {"policy": "fixed"}}
+    res = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert res.status_code == 200 and len(res.headers["x-lyanna-replica"]) > 4
+    assert httpx.get(f"{base_url}/debug/replicas", timeout=30).json() == {"Ingress": 1, "LLMReplica": 1}
+    assert httpx.get(f"{base_url}/two/debug/replicas", timeout=30).json()["LLMReplica"] == 2
+
+
 def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
     client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+    client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"slo": {"class": "batch"}}
+    )  # 20 s TTFT, 0.4 s TPOT: met
     httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 2})
     text = httpx.get(f"{base_url}/metrics").text
     labels = f'drafter="lyanna",model="{MODEL}"'
@@ -184,6 +200,8 @@ def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
     assert count[f'lyanna_requests_total{{{labels},status="200"}}'] >= 1
     assert count[f'lyanna_requests_total{{{labels},status="400"}}'] >= 1
     assert count[f"lyanna_generated_tokens_total{{{labels}}}"] >= 8
+    assert count[f'lyanna_slo_requests_total{{drafter="lyanna",met="true",model="{MODEL}",slo_class="batch"}}'] >= 1
+    assert any(k.startswith("lyanna_slo_attainment{") and v == 1.0 for k, v in count.items())
 
 
 def test_saturated_replica_sheds_load_with_503_and_retry_after(base_url):

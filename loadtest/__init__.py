@@ -1,0 +1,1 @@
+"""Load tests for the OpenAI-compatible endpoint: a locust file and a headless runner with reports."""

@@ -1,0 +1,104 @@
+"""Request router for the LLM replicas: load- and SLO-aware, with prefix affinity (Ray Serve's
+custom request-router API; set on `LLMReplica` by `request_router_config` in serve_config.yaml).
+
+Every replica reports its engine load through `record_routing_stats` (running and waiting requests,
+KV-cache use); the router adds the requests it has itself sent since (Serve's queue-length cache).
+A replica's load is
+
+    ongoing / max_ongoing_requests + kv_weight * KV-cache use
+
+Requests of a tight SLO class go to the least-loaded replica. Other requests go back to the replica
+that last served the same conversation prefix (its KV and drafter state are warm, and a relaxed
+request does not need the emptiest replica) unless that replica's load exceeds the least-loaded one's
+by more than `imbalance`; otherwise they too go to the least loaded. Serve's default router instead
+probes two random replicas and takes the shorter queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+
+def request_body(pending: PendingRequest | None) -> dict[str, Any]:
+    """The chat request body of a pending `LLMReplica.generate(body, ...)` call ({} for other calls)."""
+    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+        return {}
+    return pending.args[0]
+
+
+def prefix_key(body: dict[str, Any], chars: int) -> str | None:
+    """A hash of the conversation's first `chars` characters (None without messages)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages if isinstance(m, dict))
+    return hashlib.blake2b(text[:chars].encode(), digest_size=8).hexdigest()
+
+
+def slo_class(body: dict[str, Any]) -> str | None:
+    """The request's `slo.class`, if it names one."""
+    slo = body.get("slo")
+    return slo.get("class") if isinstance(slo, dict) else None
+
+
+class LoadAwareRouter(RequestRouter):
+    """Ranks replicas by engine load; tight SLO classes get the least loaded, others prefix affinity."""
+
+    def initialize_state(
+        self,
+        tight_classes: list[str] | None = None,
+        prefix_chars: int = 512,
+        imbalance: float = 0.25,
+        kv_weight: float = 0.5,
+        max_prefixes: int = 10_000,
+    ) -> None:
+        """Settings from `request_router_kwargs`."""
+        self.tight_classes = set(tight_classes if tight_classes is not None else ["interactive"])
+        self.prefix_chars = prefix_chars
+        self.imbalance = imbalance
+        self.kv_weight = kv_weight
+        self.max_prefixes = max_prefixes
+        self.affinity: collections.OrderedDict[str, ReplicaID] = collections.OrderedDict()
+
+    def load(self, replica: RunningReplica) -> float:
+        """The replica's load: ongoing requests over its limit, plus weighted KV-cache use."""
+        stats = replica.routing_stats or {}
+        ongoing = self.replica_queue_len_cache.get(replica.replica_id)
+        if ongoing is None:
+            ongoing = stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        return ongoing / max(1, replica.max_ongoing_requests) + self.kv_weight * stats.get("kv_cache_usage", 0.0)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """Replicas in order of preference, one per rank (Serve tries them in turn)."""
+        ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), r.replica_id.unique_id))
+        body = request_body(pending_request)
+        key = prefix_key(body, self.prefix_chars)
+        if ranked and key is not None and slo_class(body) not in self.tight_classes:
+            home = self.affinity.get(key)
+            match = [r for r in ranked if r.replica_id == home]
+            if match and self.load(match[0]) <= self.load(ranked[0]) + self.imbalance:
+                ranked.remove(match[0])
+                ranked.insert(0, match[0])
+        return [[r] for r in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """Remember where this prefix went."""
+        key = prefix_key(request_body(pending_request), self.prefix_chars)
+        if key is None:
+            return
+        self.affinity[key] = replica_id
+        self.affinity.move_to_end(key)
+        while len(self.affinity) > self.max_prefixes:
+            self.affinity.popitem(last=False)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Forget a dead replica's prefixes."""
+        super().on_replica_actor_died(replica_id)
+        for key in [k for k, r in self.affinity.items() if r == replica_id]:
+            del self.affinity[key]

@@ -1,0 +1,87 @@
+"""The load-test runner: its pieces on synthetic data, and a short headless run against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from loadtest.__main__ import main
+from loadtest.client import RequestResult
+from loadtest.report import ScrapedMetrics, percentiles, summarize
+from loadtest.runner import LoadTestConfig, Stage, check_target, parse_stages, run_load_test
+from loadtest.workload import Workload, load_prompts, parse_mix
+from policies.slo import SLOSettings
+
+
+def test_only_loopback_targets_unless_allowed():
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000", "http://127.9.9.9"):
+        check_target(url, allow_remote=False)
+    for url in ("http://10.0.0.5:8000", "https://api.example.com", "http://192.168.1.2"):
+        with pytest.raises(ValueError, match="not a loopback address"):
+            check_target(url, allow_remote=False)
+        check_target(url, allow_remote=True)
+
+
+def test_cli_refuses_a_remote_target_before_sending_anything(capsys):
+    assert main(["--url", "http://10.1.2.3:8000", "--stages", "1x1"]) == 2
+    assert "refusing to load-test '10.1.2.3'" in capsys.readouterr().err
+
+
+def test_stages_mix_and_workload():
+    assert parse_stages("20x1,60x8,30x0,10@2.5") == [Stage(20, 1), Stage(60, 8), Stage(30, 0), Stage(10, 0, 2.5)]
+    with pytest.raises(ValueError):
+        parse_stages("0x4")
+    assert parse_mix("interactive:3,batch:1") == [("interactive", 3.0), ("batch", 1.0)]
+    w = Workload(load_prompts("synthetic", 3, input_words=5), 16, parse_mix("a:1,b:1"), seed=1)
+    jobs = [w.next_job() for _ in range(200)]
+    assert jobs[0].messages == jobs[3].messages and len(jobs[0].messages[0]["content"].split()) == 5
+    assert 70 < sum(j.slo_class == "a" for j in jobs) < 130
+
+
+def test_summary_percentiles_goodput_and_acceptance():
+    assert percentiles([3.0, 1.0, 2.0, 4.0]) == {"p50": 2.0, "p90": 4.0, "p99": 4.0, "mean": 2.5}
+    slo = SLOSettings()  # interactive: TTFT 2 s, TPOT 0.1 s
+    fast = RequestResult(0.0, "interactive", 200, ttft=0.5, e2e=1.5, output_tokens=11, itl=[0.1] * 10)
+    slow = RequestResult(0.0, "interactive", 200, ttft=0.5, e2e=3.5, output_tokens=11, itl=[0.3] * 10)
+    failed = RequestResult(0.0, "batch", 503, error="saturated")
+    before = ScrapedMetrics(10.0, 5.0)
+    after = ScrapedMetrics.parse(
+        "# TYPE lyanna_accepted_tokens_per_step histogram\n"
+        'lyanna_accepted_tokens_per_step_sum{model="m"} 16.0\n'
+        'lyanna_accepted_tokens_per_step_count{model="m"} 8.0\n'
+    )
+    s = summarize([fast, slow, failed], 10.0, slo, before, after)
+    assert s["requests"] == 3 and s["completed"] == 2 and s["error_rate"] == pytest.approx(1 / 3)
+    assert s["goodput"] == pytest.approx(0.1) and s["classes"]["interactive"]["slo_attainment"] == 0.5
+    assert s["output_token_throughput"] == pytest.approx(2.2)
+    assert s["tpot_s"]["p90"] == pytest.approx(0.3) and s["itl_s"]["p50"] == pytest.approx(0.1)
+    assert s["mean_accepted_tokens_per_step"] == pytest.approx(2.0)  # (16 - 10) / (8 - 5)
+    json.dumps(s)
+
+
+@pytest.mark.slow
+def test_headless_run_against_a_live_server(base_url, tmp_path):
+    cfg = LoadTestConfig(
+        url=base_url,
+        stages=[Stage(6.0, 2)],
+        prompts="synthetic",
+        num_prompts=8,
+        input_words=16,
+        max_tokens=12,
+        slo_mix="interactive:1,batch:1",
+        sample_interval_s=0.5,
+        out_dir=str(tmp_path),
+    )
+    summary = asyncio.run(run_load_test(cfg))
+    assert summary["errors"] == 0 and summary["completed"] >= 2
+    assert summary["output_token_throughput"] > 0 and summary["request_throughput"] > 0
+    assert summary["ttft_s"]["p50"] > 0 and summary["e2e_s"]["p99"] >= summary["e2e_s"]["p50"]
+    assert set(summary["classes"]) <= {"interactive", "batch"}
+    assert summary["mean_accepted_tokens_per_step"] >= 1.0  # scraped from /metrics
+    assert summary["replicas_max"] == 1 and len(summary["replicas_over_time"]) >= 3
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["completed"] == summary["completed"]
+    for name in ("latency_cdf.png", "timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,141 @@
+"""SLO classes, the load-aware request router's ranking, and the SLO autoscaling policy's decisions."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from policies.autoscaling import SLOAutoscalingPolicy
+from policies.routing import LoadAwareRouter, prefix_key
+from policies.slo import SLOSettings, SLOTarget, SLOTracker
+
+
+def test_slo_targets_come_from_the_request_or_its_class():
+    s = SLOSettings()
+    assert s.target("interactive", None, None) == SLOTarget("interactive", 2.0, 0.1)
+    assert s.target("interactive", None, 50) == SLOTarget("interactive", 2.0, 0.05)  # explicit wins
+    assert s.target(None, None, None) == SLOTarget() and not SLOTarget().has_target
+    with pytest.raises(ValueError, match="unknown SLO class 'gold'"):
+        s.target("gold", None, None)
+    with pytest.raises(ValueError, match="not among the classes"):
+        SLOSettings(default_class="gold")
+    assert SLOTarget(None, 1.0, 0.1).met(0.5, 0.1) and not SLOTarget(None, 1.0, 0.1).met(0.5, 0.11)
+
+
+def test_slo_tracker_counts_a_sliding_window():
+    t = SLOTracker(window_s=10)
+    for now, met in ((0, True), (3, False), (5, True), (12, True)):
+        t.record(now, met)
+    assert t.attainment(12) == pytest.approx(2 / 3) and t.count(12) == 3  # the event at t=0 left the window
+    assert t.attainment(30) is None
+
+
+def replica(name: str, running: int, kv: float = 0.0, limit: int = 32):
+    rid = ReplicaID(unique_id=name, deployment_id=DeploymentID(name="LLMReplica", app_name="llm"))
+    return SimpleNamespace(
+        replica_id=rid,
+        routing_stats={"num_running": running, "num_waiting": 0, "kv_cache_usage": kv},
+        max_ongoing_requests=limit,
+    )
+
+
+def router() -> LoadAwareRouter:
+    r = object.__new__(LoadAwareRouter)  # the ranking needs no Serve controller
+    r._replica_queue_len_cache = ReplicaQueueLengthCache()
+    r.initialize_state(tight_classes=["interactive"], imbalance=0.25)
+    return r
+
+
+def pending(content: str, slo: str | None = None):
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    if slo:
+        body["slo"] = {"class": slo}
+    return SimpleNamespace(args=[body, "id", None])
+
+
+def test_router_ranks_by_load_and_keeps_prefix_affinity_within_the_imbalance():
+    asyncio.run(_router_ranking())
+
+
+async def _router_ranking():
+    r = router()
+    a, b, c = replica("a", 8), replica("b", 2, kv=0.9), replica("c", 4)  # loads 0.25, 0.51, 0.125
+    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a", "b"]
+    r.on_request_routed(pending("hello"), a.replica_id, None)
+    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    assert ranks[0][0] is a  # its prefix's replica, 0.125 above the least loaded
+    ranks = await r.choose_replicas([a, b, c], pending("hello", slo="interactive"))
+    assert ranks[0][0] is c  # a tight class always takes the least loaded
+    r._replica_queue_len_cache.update(a.replica_id, 20)  # the router's own count is fresher than the stats
+    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    assert ranks[0][0] is c and ranks[-1][0] is a  # 0.625 is beyond the imbalance: affinity yields
+    assert prefix_key(pending("hello").args[0], 512) != prefix_key(pending("hullo").args[0], 512)
+
+
+def context(n: int, ongoing: float, attainment: float | None, requests: float, state: dict, now: float):
+    metrics = {}
+    if attainment is not None:
+        ids = [ReplicaID(unique_id=f"r{i}", deployment_id=DeploymentID(name="LLMReplica")) for i in range(n)]
+        metrics = {"slo_attainment": dict.fromkeys(ids, attainment), "slo_requests": dict.fromkeys(ids, requests / n)}
+    config = AutoscalingConfig(
+        min_replicas=1, max_replicas=4, target_ongoing_requests=8, upscale_delay_s=10, downscale_delay_s=30
+    )
+    return AutoscalingContext(
+        deployment_id=DeploymentID(name="LLMReplica"),
+        deployment_name="LLMReplica",
+        app_name="llm",
+        current_num_replicas=n,
+        target_num_replicas=n,
+        running_replicas=[],
+        total_num_requests=ongoing,
+        total_queued_requests=0,
+        aggregated_metrics=metrics,
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=4,
+        policy_state=state,
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=now,
+        config=config,
+    )
+
+
+def test_autoscaling_policy_decisions():
+    p = SLOAutoscalingPolicy()
+    assert p(context(2, 4, 0.5, 20, {}, 0))[0] == 3  # SLOs missed under load: one more replica
+    assert p(context(2, 40, 1.0, 20, {}, 0))[0] == 5  # more ongoing than 2 x 8: what the load needs
+    assert p(context(2, 10, 0.95, 20, {}, 0))[0] == 2  # between the thresholds: hold
+    assert p(context(2, 3, 1.0, 20, {}, 0))[0] == 1  # one replica would run at 3/8 < 0.5: scale down
+    assert p(context(2, 3, 0.5, 2, {}, 0))[0] == 1  # too few requests to judge attainment
+    assert p(context(2, 0, 0.2, 20, {}, 0))[0] == 2  # no growth without load, no shrinking on recent misses
+    assert p(context(1, 0, None, 0, {}, 0))[0] == 1
+
+
+def test_autoscaling_waits_out_the_delays_and_does_not_flap(monkeypatch):
+    """Wrapped as Ray Serve wraps it: a wish must persist for upscale_delay_s (10 s) / downscale_delay_s
+    (30 s); a load that swings every 5 s changes nothing."""
+    clock = [0.0]
+    monkeypatch.setattr("ray.serve.autoscaling_policy.time.time", lambda: clock[0])
+    policy = _apply_autoscaling_config(SLOAutoscalingPolicy())
+    state: dict = {}
+    decisions = []
+    for tick in range(12):  # swinging: SLOs missed, then idle, every 5 s
+        clock[0] = tick * 5.0
+        missed = tick % 2 == 0
+        n, state = policy(context(2, 10 if missed else 1, 0.5 if missed else 1.0, 20, state, clock[0]))
+        decisions.append(n)
+    assert decisions == [2] * 12
+    n = 2
+    for tick in range(12, 16):  # sustained misses: up after 10 s
+        clock[0] = tick * 5.0
+        n, state = policy(context(n, 10, 0.5, 20, state, clock[0]))
+        decisions.append(n)
+    assert decisions[12:] == [2, 2, 3, 3]
