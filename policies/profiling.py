@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.acceptance import AcceptanceModel
+from policies.speculation import ShapeTable
 
 if TYPE_CHECKING:
     from engines.engine import LLMEngine
@@ -52,5 +53,5 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
     _run(engine, prompts, 12, dataclasses.replace(engine.config.spec, fixed=True))  # the drafter at its full shape
     policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
-    policy.kept_by_depth.clear()
+    policy.shapes = ShapeTable()
     policy.requests.clear()

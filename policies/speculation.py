@@ -111,12 +111,12 @@ class AdaptiveSettings:
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
 
-_PRIOR_REACH = 0.6  # assumed P(depth-1 draft accepted) before any verification, and the ratio per depth
+_PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of an unseen draft shape (optimism: it gets tried)
+_MIN_NODE = 0.05  # nodes estimated below this are not counted in a shape's verification cost
 
 
 @dataclass
 class _RequestState:
-    width: int  # drafting width for the next step
     gain: float = 0.0  # expected accepted tokens of its last allocation
     budget: int = 0  # draft tokens verified in its last allocation
     idle_steps: int = 0  # steps since it last drafted
@@ -132,6 +132,49 @@ class _Ema:
     def add(self, x: float) -> None:
         self.value = x if self.count == 0 else (1 - self.weight) * self.value + self.weight * x
         self.count += 1
+
+
+@dataclass
+class ShapeTable:
+    """Expected accepted tokens and verified nodes of a draft cut to each (depth, width): its nodes
+    within that depth whose rank among their siblings (and their ancestors') is within that width,
+    from globally calibrated node estimates, averaged over recent drafts of at least that shape.
+    Shapes never drafted get an optimistic prior, so the plan tries them once."""
+
+    weight: float = 0.05
+    gain: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    nodes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+
+    def observe(self, tree: DraftTree, est: list[float]) -> None:
+        """Fold in one drafted tree and its node estimates."""
+        children: dict[int, list[int]] = {}
+        for i in range(1, tree.size):
+            children.setdefault(tree.parents[i], []).append(i)
+        rank = [0] * tree.size
+        for kids in children.values():
+            for r, i in enumerate(sorted(kids, key=lambda i: (-est[i], i)), 1):
+                rank[i] = r
+        width = max(rank, default=0)
+        for w in range(1, width + 1):
+            inside = [True] + [False] * (tree.size - 1)
+            gain, nodes = [0.0] * (tree.depth + 1), [0] * (tree.depth + 1)
+            for i in range(1, tree.size):  # parents come before children
+                inside[i] = inside[tree.parents[i]] and rank[i] <= w
+                if inside[i] and est[i] >= _MIN_NODE:
+                    gain[tree.depths[i]] += est[i]
+                    nodes[tree.depths[i]] += 1
+            g = c = 0.0
+            for d in range(1, tree.depth + 1):
+                g, c = g + gain[d], c + nodes[d]
+                self.gain.setdefault((d, w), _Ema(weight=self.weight)).add(g)
+                self.nodes.setdefault((d, w), _Ema(weight=self.weight)).add(c)
+
+    def predict(self, depth: int, width: int) -> tuple[float, float]:
+        """(expected accepted tokens, verified nodes) of a draft of that shape."""
+        if (depth, width) in self.gain:
+            return self.gain[(depth, width)].value, self.nodes[(depth, width)].value
+        gain = sum(_PRIOR_ACCEPT**d for d in range(1, depth + 1))
+        return gain, float(depth * width)
 
 
 @dataclass
@@ -151,8 +194,7 @@ class AdaptivePolicy(SpeculationPolicy):
     last_drafted: int = 0
     predicted_step_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
-    # Nodes the allocation keeps per depth (1-based): what a request drafting that deep will verify.
-    kept_by_depth: list[_Ema] = field(default_factory=list)
+    shapes: ShapeTable = field(default_factory=lambda: ShapeTable())
     _pending_prediction: float | None = None
     _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
     _step_other_tokens: int = 0
@@ -174,63 +216,47 @@ class AdaptivePolicy(SpeculationPolicy):
             return out
         states = {}
         for i in adaptive:
-            st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState(caps[i].width))
+            st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState())
             st.idle_steps += 1
         max_depth = max(caps[i].depth for i in adaptive)
-        reach = self.reach(max_depth)
-        # For each drafting depth, the requests worth drafting for (best expected gain per verified
+        max_width = max(caps[i].width for i in adaptive)
+        # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
         best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
-        best_depth, best_chosen = 0, []
+        best_shape, best_chosen = (0, 0), []
+        factors = {}
+        for i in adaptive:
+            st = states[i]
+            factor = self.acceptance.request_factor(requests[i].request_id)
+            if st.history and st.idle_steps >= self.settings.probe_every:
+                # A probe: the request is assumed at least average again, so a multiplier that fell on
+                # a bad stretch can recover; drafting still has to pay at the population's acceptance.
+                factor = max(factor, 1.0)
+            bonus = self.settings.explore_bonus if not st.history or st.idle_steps >= self.settings.probe_every else 0
+            factors[i] = (factor, bonus)
         for depth in range(1, max_depth + 1):
-            options: list[tuple[float, int, int]] = []  # (gain, budget, index)
-            for i in adaptive:
-                st, cap = states[i], caps[i]
-                d, w = min(cap.depth, depth), min(cap.width, states[i].width)
-                factor = self.acceptance.request_factor(requests[i].request_id)
-                if st.history and st.idle_steps >= self.settings.probe_every:
-                    # A probe: the request is assumed at least average again, so a multiplier that
-                    # fell on a bad stretch can recover; drafting still has to pay at the global rate.
-                    factor = max(factor, 1.0)
-                gain = factor * sum(reach[:d])
-                if not st.history or st.idle_steps >= self.settings.probe_every:
-                    gain += self.settings.explore_bonus
-                budget = min(cap.budget, max(1, round(sum(self._kept_nodes(k, w) for k in range(1, d + 1)))))
-                if gain >= self.settings.min_gain:
-                    options.append((gain, budget, i))
-            options.sort(key=lambda o: (-o[0] / o[1], o[2]))
-            gain = budget = width = 0
-            for m, (g, b, i) in enumerate(options, 1):
-                gain, budget = gain + g, budget + b
-                width = max(width, min(caps[i].width, states[i].width))
-                step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
-                goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
-                if goodput > best_goodput:
-                    best_goodput, best_depth, best_chosen = goodput, depth, [i for _, _, i in options[:m]]
+            for width in range(1, max_width + 1):
+                options: list[tuple[float, int, int]] = []  # (gain, budget, index)
+                for i in adaptive:
+                    cap = caps[i]
+                    shape_gain, shape_nodes = self.shapes.predict(min(cap.depth, depth), min(cap.width, width))
+                    gain = factors[i][0] * shape_gain + factors[i][1]
+                    if gain >= self.settings.min_gain:
+                        options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
+                options.sort(key=lambda o: (-o[0] / o[1], o[2]))
+                gain = budget = 0
+                for m, (g, b, _) in enumerate(options, 1):
+                    gain, budget = gain + g, budget + b
+                    step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
+                    goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
+                    if goodput > best_goodput:
+                        best_goodput, best_shape, best_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
         for i in best_chosen:
             states[i].idle_steps = 0
             out[i] = SpecParams(
-                depth=min(caps[i].depth, best_depth),
-                width=min(caps[i].width, states[i].width),
-                budget=caps[i].budget,
+                depth=min(caps[i].depth, best_shape[0]), width=min(caps[i].width, best_shape[1]), budget=caps[i].budget
             )
         return out
-
-    def reach(self, max_depth: int) -> list[float]:
-        """P(a verified tree's accepted path reaches depth d), d = 1..max_depth: observed where trees
-        reached that deep, extrapolated geometrically below (optimistic before any data)."""
-        seen = list(self.acceptance.observed_by_depth[:max_depth])
-        ratio = seen[-1] / seen[-2] if len(seen) >= 2 and seen[-2] > 0 else _PRIOR_REACH
-        out = seen or [_PRIOR_REACH]
-        while len(out) < max_depth:
-            out.append(out[-1] * min(1.0, ratio))
-        return out[:max_depth]
-
-    def _kept_nodes(self, depth: int, width: int) -> float:
-        """Nodes the allocation typically keeps at a depth (the drafting width before any data)."""
-        if depth <= len(self.kept_by_depth) and self.kept_by_depth[depth - 1].count:
-            return min(float(width), self.kept_by_depth[depth - 1].value)
-        return float(width)
 
     # ---- verification budget ----------------------------------------------------------------------
     def allocate(
@@ -268,19 +294,15 @@ class AdaptivePolicy(SpeculationPolicy):
         depths, widths, budgets = [], [], []
         for j, est in estimates.items():
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
-            st = self.requests.setdefault(req.request_id, _RequestState(specs[j].width))
+            st = self.requests.setdefault(req.request_id, _RequestState())
             st.history = True
+            self.shapes.observe(tree, self.acceptance.node_estimates(req.request_id, tree, per_request=False))
             if c == 0:
                 st.gain, st.budget = 0.0, 0
                 continue
             kept = out[j] = tree.prune(c + 1, ranking=est)  # the drafter's scores stay: calibration reads them
             st.gain, st.budget = gains[j], kept.num_draft
             per_depth = [kept.depths.count(d) for d in range(1, tree.depth + 1)]
-            while len(self.kept_by_depth) < len(per_depth):
-                self.kept_by_depth.append(_Ema(weight=0.05))
-            for ema, nodes in zip(self.kept_by_depth, per_depth, strict=False):
-                ema.add(float(nodes))
-            st.width = max(1, min(specs[j].width + 1, max(per_depth) + 1))
             depths.append(kept.depth)
             widths.append(max(per_depth))
             budgets.append(kept.num_draft)

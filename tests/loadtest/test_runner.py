@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.__main__ import main
@@ -13,6 +19,8 @@ from loadtest.report import ScrapedMetrics, percentiles, summarize
 from loadtest.runner import LoadTestConfig, Stage, check_target, parse_stages, run_load_test
 from loadtest.workload import Workload, load_prompts, parse_mix
 from policies.slo import SLOSettings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_only_loopback_targets_unless_allowed():
@@ -85,3 +93,21 @@ def test_headless_run_against_a_live_server(base_url, tmp_path):
     assert on_disk["completed"] == summary["completed"]
     for name in ("latency_cdf.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text  # the adaptive policy's decisions per replica
+    observed = [line for line in metrics.splitlines() if line.startswith("lyanna_spec_policy_observed_step_s{")]
+    assert observed and float(observed[0].split()[-1]) > 0
+
+
+@pytest.mark.slow
+def test_locust_file_reports_the_latency_metrics(base_url, tmp_path):
+    env = os.environ | {"LOADTEST_PROMPTS": "synthetic", "LOADTEST_MAX_TOKENS": "8", "LOADTEST_SLO_MIX": "batch:1"}
+    cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--host", base_url, "--headless"]
+    cmd += ["-u", "2", "-r", "2", "-t", "8s", "--csv", str(tmp_path / "run"), "--only-summary"]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=120, capture_output=True)
+    with open(tmp_path / "run_stats.csv") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    chat = rows[("POST", "/v1/chat/completions")]
+    assert int(chat["Request Count"]) >= 2 and int(chat["Failure Count"]) == 0
+    for name in ("ttft", "itl", "tpot", "e2e", "output_tokens", "slo/batch"):
+        assert int(rows[("METRIC", name)]["Request Count"]) >= 1, name
+    assert float(rows[("METRIC", "ttft")]["Median Response Time"]) > 0

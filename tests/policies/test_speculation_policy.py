@@ -12,7 +12,7 @@ from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.acceptance import AcceptanceModel
 from policies.cost_model import DraftCostModel, TargetCostModel
-from policies.speculation import AdaptivePolicy, FixedPolicy, StepRecord
+from policies.speculation import AdaptivePolicy, FixedPolicy, ShapeTable, StepRecord, _Ema
 
 
 def request(rid: str, tpot: float | None = None) -> Request:
@@ -133,34 +133,58 @@ def test_tpot_target_limits_the_verified_tokens():
     assert step / (1 + sum(constrained.scores[1:])) <= 0.0085
 
 
+def shape_table(shapes: dict[tuple[int, int], tuple[float, float]]) -> ShapeTable:
+    """A shape table holding the given (expected accepted tokens, verified nodes) per (depth, width)."""
+    table = ShapeTable()
+    for shape, (gain, nodes) in shapes.items():
+        table.gain[shape], table.nodes[shape] = _Ema(gain, count=1), _Ema(nodes, count=1)
+    return table
+
+
 def test_plan_stops_drafting_when_the_drafter_costs_more_than_it_gains():
     cheap, dear = flat_policy(0.010, 0.0001, 0.001), flat_policy(0.010, 0.0001, 0.050)
     reqs = [request(f"r{i}") for i in range(8)]
     caps = [SpecParams(3, 2, 6)] * 8
-    for p in (cheap, dear):  # trees reach depth 1, 2, 3 with p = 0.3, 0.15, 0.05: 0.5 accepted tokens
-        p.settings.explore_bonus = 0.0
-        p.acceptance.observed_by_depth = [0.3, 0.15, 0.05]
+    for p in (cheap, dear):  # 0.5 accepted tokens of 2 verified whatever the shape
+        p.shapes = shape_table({(d, w): (0.5, 2.0) for d in (1, 2, 3) for w in (1, 2)})
     assert all(s is not None for s in cheap.plan(reqs, caps, 0))
     assert all(s is None for s in dear.plan(reqs, caps, 0))
 
 
-def test_plan_picks_the_goodput_optimal_depth():
-    """Acceptance reaches depth 1, 2, 3 with p = 0.8, 0.6, 0.1; the target costs 10 ms + 1 ms a token,
-    the drafter 2 ms a depth level: depth 2 has the best goodput (2.4 tokens / 17 ms)."""
+def test_plan_picks_the_goodput_optimal_shape():
+    """The target costs 10 ms + 1 ms a token, the drafter 2 ms (width 1) or 3 ms (width 2) a depth
+    level; by the shape table below depth 2 at width 2 has the best goodput (2.6 tokens / 21 ms)."""
     p = flat_policy(0.010, 0.001, 0.0)
     p.draft_cost = DraftCostModel()
     p.draft_cost.observe(1, 1, 1, 0.002)
-    p.settings.explore_bonus = 0.0
-    p.acceptance.observed_by_depth = [0.8, 0.6, 0.1]
-    reach = [0.8, 0.6, 0.1]
+    p.draft_cost.observe(1, 2, 1, 0.003)
+    table = {(1, 1): (0.7, 1), (2, 1): (1.0, 2), (3, 1): (1.1, 3), (1, 2): (0.8, 2), (2, 2): (1.6, 4), (3, 2): (1.7, 6)}
+    p.shapes = shape_table(table)
 
-    def goodput(d: int) -> float:
-        return (1 + sum(reach[:d])) / (p.target_cost.predict(1 + d, 1 if d else 0, d) + p.draft_cost.predict(d, 1, 1))
+    def goodput(shape: tuple[int, int]) -> float:
+        if shape == (0, 0):
+            return 1 / p.target_cost.predict(1)
+        gain, nodes = table[shape]
+        step = p.target_cost.predict(1 + nodes, 1, nodes) + p.draft_cost.predict(*shape, 1)
+        return (1 + gain) / step
 
-    assert max(range(4), key=goodput) == 2
-    (spec,) = p.plan([request("a")], [SpecParams(3, 1, 3)], 0)
-    assert spec is not None and spec.depth == 2
-    assert p.reach(5)[3:] == pytest.approx([0.1 / 6, 0.1 / 36])  # extrapolated by the last ratio
+    assert max([(0, 0), *table], key=goodput) == (2, 2)
+    (spec,) = p.plan([request("a")], [SpecParams(3, 2, 6)], 0)
+    assert spec is not None and (spec.depth, spec.width) == (2, 2)
+    (spec,) = p.plan([request("b")], [SpecParams(3, 1, 6)], 0)  # a width cap of 1: the best shape within it
+    assert spec is not None and (spec.depth, spec.width) == (1, 1)
+
+
+def test_shape_table_sums_estimates_within_depth_and_sibling_rank():
+    # root -> a (0.8), b (0.3); a -> c (0.6), d (0.2); b -> e (0.25)
+    tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [1.0, 0.8, 0.3, 0.6, 0.2, 0.25])
+    table = ShapeTable()
+    table.observe(tree, tree.scores)
+    assert table.predict(1, 1) == pytest.approx((0.8, 1))
+    assert table.predict(2, 1) == pytest.approx((1.4, 2))  # a, c
+    assert table.predict(1, 2) == pytest.approx((1.1, 2))  # a, b
+    assert table.predict(2, 2) == pytest.approx((2.15, 5))  # all
+    assert table.predict(3, 3)[1] == 9  # never drafted: the prior (depth x width nodes)
 
 
 def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
