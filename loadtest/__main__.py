@@ -8,7 +8,7 @@ import asyncio
 import json
 import sys
 
-from loadtest.runner import LoadTestConfig, check_target, parse_stages, run_load_test
+from loadtest.runner import LoadTestConfig, check_target, parse_stages, run_load_test, slo_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-words", type=int, default=64, help="length of synthetic prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--slo-mix", default=None, help="SLO classes and weights, e.g. interactive:0.5,batch:0.5")
+    ap.add_argument(
+        "--slo-config", default=None, help="serve config whose args.slo classes define goodput (default: built-in)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per request")
     ap.add_argument("--sample-interval-s", type=float, default=1.0, help="how often to sample replica counts")
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             sample_interval_s=args.sample_interval_s,
             allow_remote=args.allow_remote,
             out_dir=args.out_dir,
+            slo=slo_settings(args.slo_config),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

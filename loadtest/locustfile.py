@@ -7,7 +7,8 @@ when the request met its class's TTFT and TPOT targets, so its success rate is S
 successes per second are goodput.
 
 Settings (environment): LOADTEST_PROMPTS (sharegpt | synthetic | a JSON Lines file), LOADTEST_NUM_PROMPTS,
-LOADTEST_MAX_TOKENS, LOADTEST_SLO_MIX (e.g. interactive:1,batch:1), LOADTEST_MODEL, LOADTEST_ARRIVAL
+LOADTEST_MAX_TOKENS, LOADTEST_SLO_MIX (e.g. interactive:1,batch:1), LOADTEST_SLO_CONFIG (a serve config
+whose args.slo defines the classes' targets), LOADTEST_MODEL, LOADTEST_ARRIVAL
 (`closed`: back-to-back requests, concurrency = users; `poisson`: exponential think times at
 LOADTEST_RATE_PER_USER requests/s per user). Headless, bounded, e.g.:
 
@@ -24,10 +25,10 @@ import time
 from locust import HttpUser, constant, events, task
 
 from loadtest.client import request_body
+from loadtest.runner import slo_settings
 from loadtest.workload import Workload, load_prompts, parse_mix
-from policies.slo import SLOSettings
 
-SLO = SLOSettings()
+SLO = slo_settings(os.environ.get("LOADTEST_SLO_CONFIG"))  # a serve config's args.slo, else the defaults
 _WORKLOAD = Workload(
     load_prompts(os.environ.get("LOADTEST_PROMPTS", "sharegpt"), int(os.environ.get("LOADTEST_NUM_PROMPTS", "200"))),
     int(os.environ.get("LOADTEST_MAX_TOKENS", "64")),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from loadtest.client import RequestResult, run_chat
 from loadtest.report import ScrapedMetrics, ServerSample, plot, summarize
@@ -47,6 +48,16 @@ class LoadTestConfig:
     sample_interval_s: float = 1.0
     allow_remote: bool = False
     out_dir: str | None = None
+    slo: SLOSettings = field(default_factory=SLOSettings)  # the server's classes, for goodput
+
+
+def slo_settings(path: str | None) -> SLOSettings:
+    """SLO classes from a serve config (its first application's `args.slo`), or the defaults."""
+    if path is None:
+        return SLOSettings()
+    doc = yaml.safe_load(Path(path).read_text())
+    slo = doc["applications"][0].get("args", {}).get("slo", {}) if "applications" in doc else doc
+    return SLOSettings.model_validate(slo)
 
 
 def parse_stages(spec: str) -> list[Stage]:
@@ -144,8 +155,8 @@ async def run_load_test(cfg: LoadTestConfig) -> dict[str, Any]:
         running = False
         await sampling
         after = await _scrape(client, cfg.url)
-    config = asdict(cfg)
-    summary = summarize(results, duration, SLOSettings(), before, after, samples, config)
+    config = asdict(cfg) | {"slo": cfg.slo.model_dump()}
+    summary = summarize(results, duration, cfg.slo, before, after, samples, config)
     if cfg.out_dir:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)

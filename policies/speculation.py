@@ -138,15 +138,16 @@ class _Ema:
 class ShapeTable:
     """Expected accepted tokens and verified nodes of a draft cut to each (depth, width): its nodes
     within that depth whose rank among their siblings (and their ancestors') is within that width,
-    from globally calibrated node estimates, averaged over recent drafts of at least that shape.
-    Shapes never drafted get an optimistic prior, so the plan tries them once."""
+    from globally calibrated node estimates, averaged over recent drafts at the full shape (the same
+    trees for every entry, so entries compare). Before any data, an optimistic prior."""
 
     weight: float = 0.05
     gain: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     nodes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
 
-    def observe(self, tree: DraftTree, est: list[float]) -> None:
-        """Fold in one drafted tree and its node estimates."""
+    def observe(self, tree: DraftTree, est: list[float], max_width: int, budget: int) -> None:
+        """Fold in one tree drafted at the full shape (depth, `max_width`) and its node estimates; each
+        shape's cut keeps its `budget` best nodes, as a draft of that shape pruned to the budget would."""
         children: dict[int, list[int]] = {}
         for i in range(1, tree.size):
             children.setdefault(tree.parents[i], []).append(i)
@@ -154,20 +155,17 @@ class ShapeTable:
         for kids in children.values():
             for r, i in enumerate(sorted(kids, key=lambda i: (-est[i], i)), 1):
                 rank[i] = r
-        width = max(rank, default=0)
+        width = min(max_width, max(rank, default=0))  # re-sampled trees fused in add more siblings
         for w in range(1, width + 1):
             inside = [True] + [False] * (tree.size - 1)
-            gain, nodes = [0.0] * (tree.depth + 1), [0] * (tree.depth + 1)
             for i in range(1, tree.size):  # parents come before children
                 inside[i] = inside[tree.parents[i]] and rank[i] <= w
-                if inside[i] and est[i] >= _MIN_NODE:
-                    gain[tree.depths[i]] += est[i]
-                    nodes[tree.depths[i]] += 1
-            g = c = 0.0
             for d in range(1, tree.depth + 1):
-                g, c = g + gain[d], c + nodes[d]
-                self.gain.setdefault((d, w), _Ema(weight=self.weight)).add(g)
-                self.nodes.setdefault((d, w), _Ema(weight=self.weight)).add(c)
+                # Estimates never exceed a parent's, so the best `budget` nodes form a subtree.
+                cut = sorted((est[i] for i in range(1, tree.size) if inside[i] and tree.depths[i] <= d), reverse=True)
+                kept = [e for e in cut[:budget] if e >= _MIN_NODE]
+                self.gain.setdefault((d, w), _Ema(weight=self.weight)).add(sum(kept))
+                self.nodes.setdefault((d, w), _Ema(weight=self.weight)).add(float(len(kept)))
 
     def predict(self, depth: int, width: int) -> tuple[float, float]:
         """(expected accepted tokens, verified nodes) of a draft of that shape."""
@@ -199,6 +197,9 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
     _step_other_tokens: int = 0
     _step_tpot: dict[str, float] = field(default_factory=dict)
+    _num_plans: int = 0
+    _refresh: bool = False  # this step drafts at the full shape: its trees update the shape table
+    _budget_caps: dict[str, int] = field(default_factory=dict)  # verification caps of full-shape drafts
 
     # ---- drafting ---------------------------------------------------------------------------------
     def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
@@ -251,11 +252,23 @@ class AdaptivePolicy(SpeculationPolicy):
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
                     if goodput > best_goodput:
                         best_goodput, best_shape, best_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
+        # Every `probe_every` plans (and until the table has data) the chosen requests, or one request
+        # if none was chosen, draft at their full shape: every (depth, width) entry is then averaged
+        # over the same trees (so entries compare), and a table that says "never draft" is re-tested.
+        self._num_plans += 1
+        self._refresh = self._num_plans % self.settings.probe_every == 0 or not self.shapes.gain
+        if self._refresh:
+            best_shape = (max_depth, max_width)
+            best_chosen = best_chosen or adaptive[:1]
+        self._budget_caps = {}
         for i in best_chosen:
             states[i].idle_steps = 0
-            out[i] = SpecParams(
-                depth=min(caps[i].depth, best_shape[0]), width=min(caps[i].width, best_shape[1]), budget=caps[i].budget
-            )
+            depth, width = min(caps[i].depth, best_shape[0]), min(caps[i].width, best_shape[1])
+            budget = caps[i].budget
+            if self._refresh:  # the whole shape, not pruned to the budget (the allocation still keeps to it)
+                self._budget_caps[requests[i].request_id] = budget
+                budget = min(64, sum(width**d for d in range(1, depth + 1)))
+            out[i] = SpecParams(depth=depth, width=width, budget=budget)
         return out
 
     # ---- verification budget ----------------------------------------------------------------------
@@ -282,7 +295,8 @@ class AdaptivePolicy(SpeculationPolicy):
             tree = cut[j] = tree.truncate_depth(spec.depth)
             est = estimates[j] = self.acceptance.node_estimates(req.request_id, tree)
             # Each request keeps at most its budget cap; its best nodes come first.
-            best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[: spec.budget]
+            cap = self._budget_caps.get(req.request_id, spec.budget)
+            best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[:cap]
             nodes.extend((est[i], j, i) for i in best)
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
         k = self._best_count(requests, nodes, base, fixed_trees, fixed_tokens)
@@ -296,7 +310,10 @@ class AdaptivePolicy(SpeculationPolicy):
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
             st = self.requests.setdefault(req.request_id, _RequestState())
             st.history = True
-            self.shapes.observe(tree, self.acceptance.node_estimates(req.request_id, tree, per_request=False))
+            if self._refresh:
+                global_est = self.acceptance.node_estimates(req.request_id, tree, False)
+                budget = self._budget_caps.get(req.request_id, specs[j].budget)
+                self.shapes.observe(tree, global_est, specs[j].width, budget)
             if c == 0:
                 st.gain, st.budget = 0.0, 0
                 continue

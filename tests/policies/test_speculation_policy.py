@@ -179,11 +179,11 @@ def test_shape_table_sums_estimates_within_depth_and_sibling_rank():
     # root -> a (0.8), b (0.3); a -> c (0.6), d (0.2); b -> e (0.25)
     tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [1.0, 0.8, 0.3, 0.6, 0.2, 0.25])
     table = ShapeTable()
-    table.observe(tree, tree.scores)
+    table.observe(tree, tree.scores, max_width=3, budget=4)
     assert table.predict(1, 1) == pytest.approx((0.8, 1))
     assert table.predict(2, 1) == pytest.approx((1.4, 2))  # a, c
     assert table.predict(1, 2) == pytest.approx((1.1, 2))  # a, b
-    assert table.predict(2, 2) == pytest.approx((2.15, 5))  # all
+    assert table.predict(2, 2) == pytest.approx((1.95, 4))  # the best 4 of 5: all but d
     assert table.predict(3, 3)[1] == 9  # never drafted: the prior (depth x width nodes)
 
 
