@@ -57,6 +57,7 @@ class TargetCostModel:
     points: dict[int, tuple[float, float]] = field(default_factory=dict)
     decay: float = 0.1  # weight of a new observation
     trees: _TreeOverhead = field(default_factory=_TreeOverhead)  # masks, verification, commits
+    _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -70,6 +71,7 @@ class TargetCostModel:
             if self.points:
                 self.trees.add(num_trees, num_draft_tokens, seconds - self._plain(tokens))
             return
+        self._curve = None
         b = self.bucket(tokens)
         old = self.points.get(b)
         if old is None:
@@ -77,6 +79,11 @@ class TargetCostModel:
         else:
             d = self.decay
             self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
+
+    def reset(self) -> None:
+        """Forget the step-time curve (a fresh profile follows)."""
+        self.points.clear()
+        self._curve = None
 
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding
@@ -94,11 +101,10 @@ class TargetCostModel:
         along the last segment past them, flat below the smallest."""
         if not self.points:
             raise ValueError("the target cost model has no measurements; profile it first")
-        pts = sorted(self.points.values())
-        xs, ys = (
-            [x for x, _ in pts],
-            list(itertools.accumulate((y for _, y in pts), max)),
-        )  # more tokens never cost less
+        if self._curve is None:  # rebuilt after each new measurement, not on every prediction
+            pts = sorted(self.points.values())
+            self._curve = ([x for x, _ in pts], list(itertools.accumulate((y for _, y in pts), max)))
+        xs, ys = self._curve  # more tokens never cost less
         if tokens <= xs[0]:
             return ys[0]
         i = bisect.bisect_left(xs, tokens)

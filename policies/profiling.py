@@ -47,7 +47,7 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
             _run(engine, [[rng.randrange(vocab) for _ in range(n)]], 1, no_spec)
             if rep:
                 fastest[n] = min(fastest.get(n, float("inf")), time.perf_counter() - start)
-    policy.target_cost.points.clear()  # the steps above also reported themselves, warm-ups included
+    policy.target_cost.reset()  # the steps above also reported themselves, warm-ups included
     for n, seconds in fastest.items():
         policy.target_cost.observe(n, seconds)
     prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]

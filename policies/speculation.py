@@ -246,12 +246,16 @@ class AdaptivePolicy(SpeculationPolicy):
                         options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
                 options.sort(key=lambda o: (-o[0] / o[1], o[2]))
                 gain = budget = 0
+                previous = 0.0
                 for m, (g, b, _) in enumerate(options, 1):
                     gain, budget = gain + g, budget + b
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
                     if goodput > best_goodput:
                         best_goodput, best_shape, best_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
+                    if goodput < previous:  # past the peak: requests come in falling gain per token
+                        break
+                    previous = goodput
         # Every `probe_every` plans (and until the table has data) the chosen requests, or one request
         # if none was chosen, draft at their full shape: every (depth, width) entry is then averaged
         # over the same trees (so entries compare), and a table that says "never draft" is re-tested.
