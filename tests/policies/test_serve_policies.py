@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -46,8 +47,14 @@ def base_url():
     ray.shutdown()
 
 
-def chat(url: str, content: str, slo: str | None = None, max_tokens: int = 8) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+SYSTEM = "You are the support assistant of a bicycle shop. " * 12  # a shared prefix (> 512 characters)
+
+
+def chat(url: str, content: str, slo: str | None = None, max_tokens: int = 8, system: str | None = None):
+    messages = [{"role": "user", "content": content}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
     if slo:
         body["slo"] = {"class": slo}
     res = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
@@ -55,19 +62,22 @@ def chat(url: str, content: str, slo: str | None = None, max_tokens: int = 8) ->
     return res
 
 
-def test_router_keeps_prefix_affinity_and_sends_tight_requests_to_the_least_loaded(base_url):
+def test_router_keeps_prefix_affinity_within_the_imbalance_and_sends_tight_classes_to_the_least_loaded(base_url):
     url = f"{base_url}/routed"
-    first = chat(url, "warm-up", slo="interactive").headers["x-lyanna-replica"]  # idle: the first in id order
-    busy = threading.Thread(target=chat, args=(url, "Tell me a long story.", "interactive", 160))
-    busy.start()
-    time.sleep(1.5)  # the long request runs on `first` (both idle: id order)
-    other = chat(url, "What is the capital of France?").headers["x-lyanna-replica"]
-    assert other != first  # `first` is busy: a new prefix goes to the least loaded
-    busy.join()
-    time.sleep(2.5)  # routing stats refresh: both idle again
-    again = [chat(url, "What is the capital of France?").headers["x-lyanna-replica"] for _ in range(3)]
-    assert again == [other] * 3  # prefix affinity, though `first` is as idle and ranks first by id
-    assert chat(url, "What is the capital of France?", slo="interactive").headers["x-lyanna-replica"] == first
+    home = chat(url, "Hello!", system=SYSTEM).headers["x-lyanna-replica"]
+    asks = ["Write a long story about a red bicycle.", "Describe every part of a bicycle.", "Write a long poem."]
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for ask in asks:  # three long requests with the shared prefix: all go home (3/32 < the 0.25 imbalance)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 200, "stream": True}
+            stream = httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120)
+            streams.append(stack.enter_context(stream))
+        assert [s.headers["x-lyanna-replica"] for s in streams] == [home] * 3
+        relaxed = chat(url, "What is 2 + 2?", system=SYSTEM).headers["x-lyanna-replica"]
+        tight = chat(url, "What is 2 + 2?", slo="interactive", system=SYSTEM).headers["x-lyanna-replica"]
+    assert relaxed == home  # affinity holds while the imbalance is small (the least loaded is the other one)
+    assert tight != home  # a tight class takes the least-loaded replica
 
 
 def replicas(app: str) -> int:
