@@ -20,8 +20,14 @@ def test_serve_config_parses_with_ray_and_with_our_args():
     app = schema.applications[0]
     assert app.import_path == "serve_app.app:build_app"
     args = AppArgs.model_validate(app.args)
-    assert args.engine.drafter == "lyanna" and args.engine.engine_config().spec.depth == 3
+    config = args.engine.engine_config()
+    assert args.engine.drafter == "lyanna" and config.spec_policy == "adaptive" and config.spec.depth == 4
     deployments = {d.name: d for d in app.deployments}
+    llm = deployments["LLMReplica"]
+    assert llm.request_router_config["request_router_class"] == "policies.routing:LoadAwareRouter"
+    assert llm.autoscaling_config["policy"]["policy_function"] == "policies.autoscaling:SLOAutoscalingPolicy"
+    # the router's tight classes are the app's (both read a request's `slo.class`)
+    assert llm.request_router_config["request_router_kwargs"]["tight_classes"] == args.slo.tight_classes
     assert set(deployments) == {"Ingress", "LLMReplica"}
     for d in deployments.values():
         assert d.max_ongoing_requests and d.ray_actor_options is not None
