@@ -153,9 +153,14 @@ def plot(results: list[RequestResult], samples: list[ServerSample], duration_s: 
     bins = max(1, math.ceil(duration_s / bin_s))
     tokens, done = [0.0] * bins, [0.0] * bins
     for r in ok:
-        i = min(bins - 1, int((r.start + (r.e2e or 0)) / bin_s))
-        tokens[i] += r.output_tokens / bin_s
-        done[i] += 1 / bin_s
+        end = r.start + (r.e2e or 0)
+        done[min(bins - 1, int(end / bin_s))] += 1 / bin_s
+        # a request's tokens are spread over its decode time, so the curve is a rate, not a histogram of ends
+        begin = r.start + (r.ttft or 0)
+        span = max(end - begin, 1e-9)
+        for i in range(int(begin / bin_s), min(bins - 1, int(end / bin_s)) + 1):
+            overlap = min(end, (i + 1) * bin_s) - max(begin, i * bin_s)
+            tokens[i] += r.output_tokens * max(0.0, overlap) / span / bin_s
     centers = [(i + 0.5) * bin_s for i in range(bins)]
     fig, ax = plt.subplots(figsize=(11, 4.2))
     ax.plot(centers, tokens, label="output tokens/s", color="tab:blue")
