@@ -16,7 +16,7 @@ def base_url():
     port = free_port()
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": ENGINE | {"spec_policy": "adaptive"}}), name="llm", route_prefix="/")
+    serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from loadtest.__main__ import main
@@ -93,9 +92,6 @@ def test_headless_run_against_a_live_server(base_url, tmp_path):
     assert on_disk["completed"] == summary["completed"]
     for name in ("latency_cdf.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text  # the adaptive policy's decisions per replica
-    observed = [line for line in metrics.splitlines() if line.startswith("lyanna_spec_policy_observed_step_s{")]
-    assert observed and float(observed[0].split()[-1]) > 0
 
 
 @pytest.mark.slow

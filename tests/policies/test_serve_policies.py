@@ -29,7 +29,8 @@ def base_url():
     ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     router = RequestRouterConfig(request_router_class=LoadAwareRouter, request_routing_stats_period_s=1)
-    routed = LLMReplica.options(num_replicas=2, request_router_config=router).bind(ENGINE, None, SLO)
+    adaptive = ENGINE | {"spec_policy": "adaptive"}
+    routed = LLMReplica.options(num_replicas=2, request_router_config=router).bind(adaptive, None, SLO)
     serve.run(Ingress.bind(routed, MODEL, "lyanna", None, SLO), name="routed", route_prefix="/routed")
     autoscaling = {
         "min_replicas": 1,
@@ -78,6 +79,10 @@ def test_router_keeps_prefix_affinity_within_the_imbalance_and_sends_tight_class
         tight = chat(url, "What is 2 + 2?", slo="interactive", system=SYSTEM).headers["x-lyanna-replica"]
     assert relaxed == home  # affinity holds while the imbalance is small (the least loaded is the other one)
     assert tight != home  # a tight class takes the least-loaded replica
+    # the adaptive policy's decisions and model checks, per replica, on /metrics
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    observed = [line for line in metrics.splitlines() if line.startswith("lyanna_spec_policy_observed_step_s{")]
+    assert observed and 'replica="' in observed[0] and float(observed[0].split()[-1]) > 0
 
 
 def replicas(app: str) -> int:
