@@ -117,8 +117,6 @@ _MIN_NODE = 0.05  # nodes estimated below this are not counted in a shape's veri
 
 @dataclass
 class _RequestState:
-    gain: float = 0.0  # expected accepted tokens of its last allocation
-    budget: int = 0  # draft tokens verified in its last allocation
     idle_steps: int = 0  # steps since it last drafted
     history: bool = False  # whether it has been allocated at least once
 
@@ -229,18 +227,22 @@ class AdaptivePolicy(SpeculationPolicy):
         for i in adaptive:
             st = states[i]
             factor = self.acceptance.request_factor(requests[i].request_id)
-            if st.history and st.idle_steps >= self.settings.probe_every:
+            probe = st.idle_steps >= self.settings.probe_every
+            if st.history and probe:
                 # A probe: the request is assumed at least average again, so a multiplier that fell on
                 # a bad stretch can recover; drafting still has to pay at the population's acceptance.
                 factor = max(factor, 1.0)
-            bonus = self.settings.explore_bonus if not st.history or st.idle_steps >= self.settings.probe_every else 0
-            factors[i] = (factor, bonus)
+            factors[i] = (factor, self.settings.explore_bonus if probe or not st.history else 0.0)
+        shape_cache: dict[tuple[int, int], tuple[float, float]] = {}  # requests mostly share their caps
         for depth in range(1, max_depth + 1):
             for width in range(1, max_width + 1):
                 options: list[tuple[float, int, int]] = []  # (gain, budget, index)
                 for i in adaptive:
                     cap = caps[i]
-                    shape_gain, shape_nodes = self.shapes.predict(min(cap.depth, depth), min(cap.width, width))
+                    shape = (min(cap.depth, depth), min(cap.width, width))
+                    if shape not in shape_cache:
+                        shape_cache[shape] = self.shapes.predict(*shape)
+                    shape_gain, shape_nodes = shape_cache[shape]
                     gain = factors[i][0] * shape_gain + factors[i][1]
                     if gain >= self.settings.min_gain:
                         options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
@@ -305,10 +307,8 @@ class AdaptivePolicy(SpeculationPolicy):
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
         k = self._best_count(requests, nodes, base, fixed_trees, fixed_tokens)
         counts: dict[int, int] = {}
-        gains: dict[int, float] = {}
-        for e, j, _ in nodes[:k]:
+        for _, j, _ in nodes[:k]:
             counts[j] = counts.get(j, 0) + 1
-            gains[j] = gains.get(j, 0.0) + e
         depths, widths, budgets = [], [], []
         for j, est in estimates.items():
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
@@ -319,13 +319,10 @@ class AdaptivePolicy(SpeculationPolicy):
                 budget = self._budget_caps.get(req.request_id, specs[j].budget)
                 self.shapes.observe(tree, global_est, specs[j].width, budget)
             if c == 0:
-                st.gain, st.budget = 0.0, 0
                 continue
             kept = out[j] = tree.prune(c + 1, ranking=est)  # the drafter's scores stay: calibration reads them
-            st.gain, st.budget = gains[j], kept.num_draft
-            per_depth = [kept.depths.count(d) for d in range(1, tree.depth + 1)]
             depths.append(kept.depth)
-            widths.append(max(per_depth))
+            widths.append(max(kept.depths.count(d) for d in range(1, kept.depth + 1)))
             budgets.append(kept.num_draft)
         self.last_drafted = len(budgets)
         self.last_depth = sum(depths) / len(depths) if depths else 0.0
