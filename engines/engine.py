@@ -386,7 +386,7 @@ class LLMEngine:
             req.num_draft_tokens += tree.num_draft
             req.num_accepted_tokens += result.num_accepted
             self.spec_stats.record(tree, result)
-            self.policy.observe_verified(req, tree, result.num_accepted)
+            self.policy.observe_verified(req, tree, result.path)
             outputs.append(self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus]))
             if not req.finished:
                 self.drafter.on_verified(req, tree, result, hidden[result.path])

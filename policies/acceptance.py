@@ -6,8 +6,9 @@ Those scores are not the target's acceptance probabilities, so they are calibrat
 - per depth, globally: `k_d` = (observed acceptances at depth d) / (sum of raw scores at depth d),
   both as moving averages over verified trees, so `k_d · score` estimates P(node accepted);
 - per request: `m_r` = (observed accepted tokens) / (tokens the globally calibrated model
-  predicted), a moving average with a prior of one, so a request whose drafts keep failing (an
-  unusual domain, a high temperature) sees its estimates shrink and stops paying for drafts.
+  predicted), moving averages shrunk toward one by a prior, so a request whose drafts keep failing (an
+  unusual domain, a high temperature) sees its estimates shrink and stops paying for drafts; its
+  evidence fades while it does not draft, so it is tried again after a while.
 
 A node's estimate is `min(k_d · score · m_r, its parent's estimate)`: never above its parent's, so
 choosing nodes by estimate keeps a tree closed under ancestors. Drafters that give no scores (all
@@ -32,8 +33,8 @@ class AcceptanceModel:
     """Calibrated node acceptance estimates; `observe` after every verification."""
 
     decay: float = 0.02  # weight of one verified tree in the global per-depth averages
-    request_decay: float = 0.2  # weight of one verified tree in a request's multiplier
-    prior: float = 1.0  # pseudo-tokens behind a request multiplier of 1 before it has history
+    request_decay: float = 0.1  # weight of one verified tree in a request's multiplier
+    prior: float = 4.0  # pseudo-tokens behind a request multiplier of 1 before it has history
     observed_by_depth: list[float] = field(default_factory=list)  # moving averages per depth (1-based)
     scores_by_depth: list[float] = field(default_factory=list)
     requests: dict[str, _RequestCalibration] = field(default_factory=dict)
@@ -91,6 +92,14 @@ class AcceptanceModel:
         a = self.decay
         self.predicted_mean = (1 - a) * self.predicted_mean + a * predicted
         self.observed_mean = (1 - a) * self.observed_mean + a * num_accepted
+
+    def age(self, request_id: str) -> None:
+        """A step in which the request verified nothing: its evidence fades toward the prior, so a
+        multiplier that fell on a short bad stretch recovers and the request is tried again."""
+        cal = self.requests.get(request_id)
+        if cal is not None:
+            r = 1 - self.request_decay
+            cal.observed, cal.predicted = r * cal.observed, r * cal.predicted
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's multiplier."""

@@ -1,11 +1,17 @@
 """Step-time models: what a target forward over N tokens costs, and what a drafting round costs.
 
 The target's step time is a piecewise-linear curve over the step's token count (flat while the
-device is memory-bound, rising once it saturates compute) plus an overhead for verifying trees,
-per tree and per draft token (tree masks, verification, KV commits: batch composition). The curve is
-seeded by a start-up profile; both follow the times observed online (exponential moving averages),
-so a model that was profiled cold or on a busy machine corrects itself. The drafter's time is a line in the number of
-requests it drafts for, one line per (depth, width), fitted online by least squares with forgetting.
+device is memory-bound, rising once it saturates compute) for a plain step, plus what verifying
+trees adds to the plain step of the same batch: a cost per tree and per draft token (the draft
+tokens' forward, tree masks, verification, KV commits), fitted per power-of-two bucket of the plain
+step's tokens, since a draft token costs little while the device is memory-bound and much once it
+is not (until a bucket has seen a tree step, draft tokens cost what the curve says more tokens
+cost). Plain steps of every batch size the engine runs are observed all the time, so the overhead
+is measured against a current baseline, not against profiled points the engine may never revisit. The
+curve is seeded by a start-up profile; both follow the times observed online (exponential moving
+averages), so a model that was profiled cold or on a busy machine corrects itself. The drafter's
+time is a line in the number of requests it drafts for, one line per (depth, width), fitted online
+by least squares with forgetting.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class _TreeOverhead:
-    """Extra seconds of a step that verifies trees, as a·trees + b·draft tokens: least squares through
-    the origin with exponential forgetting (one coefficient alone when the two move together)."""
+    """Extra seconds of a step that verifies trees over the plain step of its batch, as
+    a·trees + b·draft tokens: least squares through the origin with exponential forgetting (one
+    coefficient alone when the two move together)."""
 
-    forget: float = 0.95
+    forget: float = 0.99
     stt: float = 0.0
     stk: float = 0.0
     skk: float = 0.0
@@ -55,8 +62,9 @@ class TargetCostModel:
 
     # power-of-two bucket of the token count -> (mean tokens, mean seconds), both moving averages
     points: dict[int, tuple[float, float]] = field(default_factory=dict)
-    decay: float = 0.1  # weight of a new observation
-    trees: _TreeOverhead = field(default_factory=_TreeOverhead)  # masks, verification, commits
+    decay: float = 0.05  # weight of a new observation
+    # power-of-two bucket of a tree step's plain tokens -> what its trees add
+    trees: dict[int, _TreeOverhead] = field(default_factory=dict)
     _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
 
     @staticmethod
@@ -66,10 +74,12 @@ class TargetCostModel:
 
     def observe(self, tokens: int, seconds: float, num_trees: int = 0, num_draft_tokens: int = 0) -> None:
         """Fold one measured step in: plain steps into their bucket, steps that verified trees into the
-        tree overhead (what they cost beyond a plain step of as many tokens)."""
+        tree overhead (what they cost beyond the plain step of the same batch)."""
         if num_trees:
             if self.points:
-                self.trees.add(num_trees, num_draft_tokens, seconds - self._plain(tokens))
+                base = tokens - num_draft_tokens
+                overhead = self.trees.setdefault(self.bucket(base), _TreeOverhead())
+                overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base))
             return
         self._curve = None
         b = self.bucket(tokens)
@@ -88,13 +98,18 @@ class TargetCostModel:
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding
         `num_draft_tokens` draft tokens."""
-        per_tree, per_token = self.trees.coefficients()
-        return self._plain(tokens) + per_tree * num_trees + per_token * num_draft_tokens
+        base = tokens - num_draft_tokens
+        overhead = self.trees.get(self.bucket(base)) if num_trees else None
+        if overhead is None:  # no tree step at this batch size yet: draft tokens cost what the curve says
+            return self._plain(tokens)
+        per_tree, per_token = overhead.coefficients()
+        return self._plain(base) + per_tree * num_trees + per_token * num_draft_tokens
 
-    @property
-    def tree_overhead(self) -> float:
-        """Seconds per tree-verifying request beyond a plain step."""
-        return self.trees.coefficients()[0]
+    def overhead(self, base_tokens: int) -> tuple[float, float] | None:
+        """(seconds per tree, seconds per draft token) that verifying adds to a plain step of
+        `base_tokens` tokens, or None before any tree step in that bucket."""
+        overhead = self.trees.get(self.bucket(base_tokens))
+        return overhead.coefficients() if overhead is not None else None
 
     def _plain(self, tokens: int) -> float:
         """A plain step: interpolated between the buckets' means (made non-decreasing), extrapolated

@@ -13,13 +13,14 @@ step time, subject to each request's time-per-output-token target:
 
 over k, the number of draft tokens verified in the step, taking nodes across all requests in
 order of their estimates (so a request whose drafts are unlikely gets fewer or none). The plan
-picks the drafting depth and the requests to draft for the same way, with the drafter's cost in the
-step time: a request's expected gain at depth d is its calibration multiplier times the observed
-probability of accepting to each depth up to d, its cost the nodes the allocation keeps per depth;
-no request drafts when plain decoding has the better goodput (a request whose own multiplier fell
-is re-probed every `probe_every` steps as if average; no probe drafts where drafting does not pay
-at the global acceptance rate, so large batches on a compute-bound device stop drafting altogether).
-Width follows the widest level the allocation recently kept, plus one, up to the request's cap.
+picks the drafting shape (depth, width) and the requests to draft for the same way, with the
+drafter's cost in the step time: a request's expected gain at a shape is its calibration multiplier
+times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
+per depth level and width), its cost the nodes they had verified. No request drafts when plain
+decoding has the better goodput; a request whose own multiplier fell is re-probed every
+`probe_every` steps as if average, and every `probe_every` plans the drafts (at least one) go to
+the full shape, so the table stays measured (large batches on a compute-bound device stop drafting
+altogether but for those probes).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class SpeculationPolicy(ABC):
     def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Measured costs of the step that just ran."""
 
-    def observe_verified(self, request: Request, tree: DraftTree, num_accepted: int) -> None:  # noqa: B027
-        """A verified tree and how many of its draft tokens were accepted."""
+    def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:  # noqa: B027
+        """A verified tree and its accepted path (node indices, root first)."""
 
     def on_finished(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Drop per-request state."""
@@ -111,8 +112,7 @@ class AdaptiveSettings:
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
 
-_PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of an unseen draft shape (optimism: it gets tried)
-_MIN_NODE = 0.05  # nodes estimated below this are not counted in a shape's verification cost
+_PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of a shape never drafted (optimism: it gets tried)
 
 
 @dataclass
@@ -123,54 +123,80 @@ class _RequestState:
 
 @dataclass
 class _Ema:
+    """A running mean over the first 1/weight samples (a starting value counts as one), then a
+    moving average with that weight."""
+
     value: float = 0.0
     weight: float = 0.05
     count: int = 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.count == 0 else (1 - self.weight) * self.value + self.weight * x
+        w = max(self.weight, 1 / (self.count + 1))
+        self.value = (1 - w) * self.value + w * x
         self.count += 1
 
 
 @dataclass
 class ShapeTable:
-    """Expected accepted tokens and verified nodes of a draft cut to each (depth, width): its nodes
-    within that depth whose rank among their siblings (and their ancestors') is within that width,
-    from globally calibrated node estimates, averaged over recent drafts at the full shape (the same
-    trees for every entry, so entries compare). Before any data, an optimistic prior."""
+    """What drafting at each (depth, width) realised. Per width w and depth level k, moving averages
+    over drafts of width w or wider, at least k deep: whether k or more of its tokens were accepted
+    (`reach`), and how many of its nodes at depth k were verified (`nodes`). A wider draft counts for
+    each narrower width by its cut to that width (the nodes whose sibling rank by score, and their
+    ancestors', is within it; the drafters' trees of one width contain the narrower ones), and a
+    draft the allocation dropped counts as nothing verified and nothing accepted. A draft of shape
+    (d, w) is expected to gain the sum of reach over levels 1..d and to verify the sum of nodes.
+    These are outcomes of real drafts, re-sampled trees fused in and the allocation's pruning
+    included, so no calibration of the drafter's scores enters them. A level starts from an
+    optimistic prior that counts as `prior_drafts` drafts, so it gets tried and a few unlucky first
+    drafts do not rule it out."""
 
     weight: float = 0.05
-    gain: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    prior_drafts: int = 4
+    reach: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     nodes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
 
-    def observe(self, tree: DraftTree, est: list[float], max_width: int, budget: int) -> None:
-        """Fold in one tree drafted at the full shape (depth, `max_width`) and its node estimates; each
-        shape's cut keeps its `budget` best nodes, as a draft of that shape pruned to the budget would."""
-        children: dict[int, list[int]] = {}
-        for i in range(1, tree.size):
-            children.setdefault(tree.parents[i], []).append(i)
-        rank = [0] * tree.size
-        for kids in children.values():
-            for r, i in enumerate(sorted(kids, key=lambda i: (-est[i], i)), 1):
-                rank[i] = r
-        width = min(max_width, max(rank, default=0))  # re-sampled trees fused in add more siblings
+    def observe(self, depth: int, width: int, tree: DraftTree | None, path: list[int]) -> None:
+        """Fold in one draft of shape (depth, width): the subtree verified (None: dropped) and its
+        accepted path (node indices, root first)."""
+        rank = _sibling_ranks(tree) if tree is not None else []
         for w in range(1, width + 1):
-            inside = [True] + [False] * (tree.size - 1)
-            for i in range(1, tree.size):  # parents come before children
+            per_level = [0] * (depth + 1)
+            inside = [True] * len(rank)
+            for i in range(1, len(rank)):  # parents come before children
                 inside[i] = inside[tree.parents[i]] and rank[i] <= w
-            for d in range(1, tree.depth + 1):
-                # Estimates never exceed a parent's, so the best `budget` nodes form a subtree.
-                cut = sorted((est[i] for i in range(1, tree.size) if inside[i] and tree.depths[i] <= d), reverse=True)
-                kept = [e for e in cut[:budget] if e >= _MIN_NODE]
-                self.gain.setdefault((d, w), _Ema(weight=self.weight)).add(sum(kept))
-                self.nodes.setdefault((d, w), _Ema(weight=self.weight)).add(float(len(kept)))
+                if inside[i] and tree.depths[i] <= depth:
+                    per_level[tree.depths[i]] += 1
+            accepted = next((n for n, i in enumerate(path[1:]) if not inside[i]), len(path) - 1) if rank else 0
+            for k in range(1, depth + 1):
+                if (k, w) not in self.reach:
+                    self.reach[(k, w)] = _Ema(_PRIOR_ACCEPT**k, self.weight, count=self.prior_drafts)
+                    self.nodes[(k, w)] = _Ema(float(w), self.weight, count=self.prior_drafts)
+                self.reach[(k, w)].add(1.0 if accepted >= k else 0.0)
+                self.nodes[(k, w)].add(float(per_level[k]))
 
     def predict(self, depth: int, width: int) -> tuple[float, float]:
         """(expected accepted tokens, verified nodes) of a draft of that shape."""
-        if (depth, width) in self.gain:
-            return self.gain[(depth, width)].value, self.nodes[(depth, width)].value
-        gain = sum(_PRIOR_ACCEPT**d for d in range(1, depth + 1))
-        return gain, float(depth * width)
+        gain = nodes = 0.0
+        for k in range(1, depth + 1):
+            reach = self.reach.get((k, width))
+            if reach is None:
+                gain, nodes = gain + _PRIOR_ACCEPT**k, nodes + width
+            else:
+                gain, nodes = gain + reach.value, nodes + self.nodes[(k, width)].value
+        return gain, nodes
+
+
+def _sibling_ranks(tree: DraftTree) -> list[int]:
+    """Each node's rank among its siblings by drafter score (1: the best; the root: 0)."""
+    scores = tree.scores or [1.0] * tree.size
+    children: dict[int, list[int]] = {}
+    for i in range(1, tree.size):
+        children.setdefault(tree.parents[i], []).append(i)
+    rank = [0] * tree.size
+    for kids in children.values():
+        for r, i in enumerate(sorted(kids, key=lambda i: (-scores[i], i)), 1):
+            rank[i] = r
+    return rank
 
 
 @dataclass
@@ -196,8 +222,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_other_tokens: int = 0
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
-    _refresh: bool = False  # this step drafts at the full shape: its trees update the shape table
-    _budget_caps: dict[str, int] = field(default_factory=dict)  # verification caps of full-shape drafts
+    _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
 
     # ---- drafting ---------------------------------------------------------------------------------
     def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
@@ -259,22 +284,19 @@ class AdaptivePolicy(SpeculationPolicy):
                         break
                     previous = goodput
         # Every `probe_every` plans (and until the table has data) the chosen requests, or one request
-        # if none was chosen, draft at their full shape: every (depth, width) entry is then averaged
-        # over the same trees (so entries compare), and a table that says "never draft" is re-tested.
+        # if none was chosen, draft at the full shape, so every entry of the shape table keeps being
+        # measured and a table that says "never draft" is re-tested.
         self._num_plans += 1
-        self._refresh = self._num_plans % self.settings.probe_every == 0 or not self.shapes.gain
-        if self._refresh:
+        if self._num_plans % self.settings.probe_every == 0 or not self.shapes.reach:
             best_shape = (max_depth, max_width)
             best_chosen = best_chosen or adaptive[:1]
-        self._budget_caps = {}
+        for i in set(adaptive) - set(best_chosen):
+            self.acceptance.age(requests[i].request_id)
         for i in best_chosen:
             states[i].idle_steps = 0
             depth, width = min(caps[i].depth, best_shape[0]), min(caps[i].width, best_shape[1])
-            budget = caps[i].budget
-            if self._refresh:  # the whole shape, not pruned to the budget (the allocation still keeps to it)
-                self._budget_caps[requests[i].request_id] = budget
-                budget = min(64, sum(width**d for d in range(1, depth + 1)))
-            out[i] = SpecParams(depth=depth, width=width, budget=budget)
+            # The whole budget cap: the allocation decides how much of the draft to verify.
+            out[i] = SpecParams(depth=depth, width=width, budget=caps[i].budget)
         return out
 
     # ---- verification budget ----------------------------------------------------------------------
@@ -300,9 +322,8 @@ class AdaptivePolicy(SpeculationPolicy):
                 continue
             tree = cut[j] = tree.truncate_depth(spec.depth)
             est = estimates[j] = self.acceptance.node_estimates(req.request_id, tree)
-            # Each request keeps at most its budget cap; its best nodes come first.
-            cap = self._budget_caps.get(req.request_id, spec.budget)
-            best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[:cap]
+            # Each request keeps at most its budget; its best nodes come first.
+            best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[: spec.budget]
             nodes.extend((est[i], j, i) for i in best)
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
         k = self._best_count(requests, nodes, base, fixed_trees, fixed_tokens)
@@ -310,16 +331,15 @@ class AdaptivePolicy(SpeculationPolicy):
         for _, j, _ in nodes[:k]:
             counts[j] = counts.get(j, 0) + 1
         depths, widths, budgets = [], [], []
+        self._drafted = {}
         for j, est in estimates.items():
             req, tree, c = requests[j], cut[j], counts.get(j, 0)
             st = self.requests.setdefault(req.request_id, _RequestState())
             st.history = True
-            if self._refresh:
-                global_est = self.acceptance.node_estimates(req.request_id, tree, False)
-                budget = self._budget_caps.get(req.request_id, specs[j].budget)
-                self.shapes.observe(tree, global_est, specs[j].width, budget)
-            if c == 0:
+            if c == 0:  # drafted for nothing: the shape table learns that too
+                self.shapes.observe(specs[j].depth, specs[j].width, None, [0])
                 continue
+            self._drafted[req.request_id] = (specs[j].depth, specs[j].width)
             kept = out[j] = tree.prune(c + 1, ranking=est)  # the drafter's scores stay: calibration reads them
             depths.append(kept.depth)
             widths.append(max(kept.depths.count(d) for d in range(1, kept.depth + 1)))
@@ -380,8 +400,11 @@ class AdaptivePolicy(SpeculationPolicy):
         if record.num_drafted:
             self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
 
-    def observe_verified(self, request: Request, tree: DraftTree, num_accepted: int) -> None:
-        self.acceptance.observe(request.request_id, tree, num_accepted)
+    def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
+        self.acceptance.observe(request.request_id, tree, len(path) - 1)
+        shape = self._drafted.pop(request.request_id, None)
+        if shape is not None:
+            self.shapes.observe(*shape, tree, path)
 
     def on_finished(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

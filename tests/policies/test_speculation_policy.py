@@ -33,7 +33,7 @@ def test_target_cost_model_interpolates_and_learns_tree_overhead():
     assert m.predict(128) == pytest.approx(0.050 + 64 * 0.04 / 56)  # the last segment's slope
     for _ in range(200):  # steps that verify 4 trees take 8 ms more than a plain step of 8 tokens
         m.observe(8, 0.018, num_trees=4)
-    assert m.tree_overhead == pytest.approx(0.002, rel=1e-3)
+    assert m.overhead(8) == pytest.approx((0.002, 0.0), rel=1e-3)
     assert m.predict(8, num_trees=4) == pytest.approx(0.018, rel=1e-3)
 
 
@@ -41,10 +41,27 @@ def test_tree_overhead_separates_per_tree_and_per_draft_token_costs():
     m = TargetCostModel()
     m.observe(64, 0.010)  # plain steps cost 10 ms up to 64 tokens
     m.observe(1, 0.010)
-    for trees, tokens in ((1, 2), (1, 8), (4, 8), (4, 32), (8, 16)) * 20:  # 3 ms a tree, 0.5 ms a draft token
-        m.observe(trees + tokens, 0.010 + 0.003 * trees + 0.0005 * tokens, trees, tokens)
-    assert m.trees.coefficients() == pytest.approx((0.003, 0.0005), rel=1e-6)
-    assert m.predict(20, num_trees=2, num_draft_tokens=18) == pytest.approx(0.010 + 0.006 + 0.009)
+    for trees, tokens in ((1, 2), (1, 8), (4, 8), (4, 32), (3, 16)) * 20:  # 3 ms a tree, 0.5 ms a draft token
+        m.observe(4 + tokens, 0.010 + 0.003 * trees + 0.0005 * tokens, trees, tokens)  # 4 decoding requests
+    assert m.overhead(4) == pytest.approx((0.003, 0.0005), rel=1e-6)
+    assert m.predict(4 + 18, num_trees=2, num_draft_tokens=18) == pytest.approx(0.010 + 0.006 + 0.009)
+
+
+def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
+    """The profile's points above one token can be stale (a batch size the engine never runs plain):
+    a verified draft token costs what tree steps cost over the plain steps the engine does run, and
+    a large batch has its own overhead (there a draft token costs a forward's worth of compute)."""
+    m = TargetCostModel()
+    for tokens, seconds in ((1, 0.030), (2, 0.036), (4, 0.036), (8, 0.036), (32, 0.050), (64, 0.080)):
+        m.observe(tokens, seconds)
+    for k in (1, 2, 3, 4) * 30:  # batch 1: 0.5 ms a draft token over the 30 ms plain step
+        m.observe(1 + k, 0.030 + 0.0005 * k, 1, k)
+    assert m.predict(1 + 3, 1, 3) == pytest.approx(0.0315, rel=1e-6)  # not the stale 36 ms of 4 tokens
+    for k in (1, 2, 4, 8) * 30:  # batch 32: 1 ms a draft token
+        m.observe(32 + k, 0.050 + 0.001 * k, 1, k)
+    assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-6)
+    assert m.predict(1 + 4, 1, 4) == pytest.approx(0.032, rel=1e-6)  # batch 1 keeps its own
+    assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(20), rel=1e-6)  # unmeasured: the curve
 
 
 def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
@@ -77,6 +94,25 @@ def test_a_request_whose_drafts_fail_loses_its_estimates():
         model.observe("bad", tree, 0)
     assert model.request_factor("bad") < 0.2 < 1.0 <= model.request_factor("good")
     assert model.expected_accepted("bad", tree) < 0.3 * model.expected_accepted("good", tree)
+    for _ in range(60):  # steps without a verified tree: the evidence fades toward the prior
+        model.age("bad")
+    assert 0.9 < model.request_factor("bad") <= 1.0
+
+
+def test_a_request_the_plan_skips_is_tried_again():
+    """A request whose multiplier fell on a bad stretch is not drafted for; while it waits its
+    evidence fades and the plan drafts for it again well before the every-`probe_every` probe."""
+    p = flat_policy(0.010, 0.002, 0.003)  # plain 12 ms; a draft of one token 1 ms, verifying it 2 ms
+    p.shapes = shape_table({(1, 1): (0.3, 1.0)})  # pays at a multiplier above ~0.8
+    p.shapes.reach[(1, 1)].count = 10**6  # no probe of the full shape in this test
+    p.settings.probe_every = 10**6
+    tree = chain([0.3])
+    for _ in range(30):
+        p.acceptance.observe("warm", tree, 1)  # the population accepts depth 1 ...
+        p.acceptance.observe("a", tree, 0)  # ... this request has failed lately
+    reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+    drafted = [p.plan(reqs, caps, 0)[0] is not None for _ in range(40)]
+    assert drafted[0] is False and any(drafted)
 
 
 def flat_policy(step_s: float, per_token_s: float, draft_s: float) -> AdaptivePolicy:
@@ -115,6 +151,19 @@ def test_allocation_prefers_likely_nodes_across_requests():
     assert unlikely is None
 
 
+def test_allocation_prunes_each_tree_by_its_own_estimates():
+    """Two requests whose trees differ in size and order both keep their own best nodes (at 2 ms a
+    verified token, nodes estimated 0.2 and below do not pay)."""
+    p = flat_policy(0.010, 0.002, 0.0)
+    reqs = [request("short"), request("wide")]
+    specs = [SpecParams(3, 3, 6)] * 2
+    p.plan(reqs, specs, 0)
+    wide = DraftTree([0, 11, 12, 13, 14], [-1, 0, 0, 0, 1], [1.0, 0.2, 0.9, 0.5, 0.1])
+    short, kept_wide = p.allocate(reqs, specs, [chain([0.95]), wide], 0)
+    assert short is not None and short.tokens == [0, 1]
+    assert kept_wide is not None and kept_wide.tokens == [0, 12, 13]
+
+
 def test_tpot_target_limits_the_verified_tokens():
     """Verifying costs 5 ms a token; a 12 ms TPOT target allows only what keeps the step fast enough."""
     p = flat_policy(0.010, 0.005, 0.0)
@@ -134,10 +183,13 @@ def test_tpot_target_limits_the_verified_tokens():
 
 
 def shape_table(shapes: dict[tuple[int, int], tuple[float, float]]) -> ShapeTable:
-    """A shape table holding the given (expected accepted tokens, verified nodes) per (depth, width)."""
+    """A shape table predicting the given (expected accepted tokens, verified nodes) per (depth, width):
+    each depth level holds the difference to the level above."""
     table = ShapeTable()
-    for shape, (gain, nodes) in shapes.items():
-        table.gain[shape], table.nodes[shape] = _Ema(gain, count=1), _Ema(nodes, count=1)
+    for (d, w), (gain, nodes) in shapes.items():
+        above = shapes.get((d - 1, w), (0.0, 0.0))
+        table.reach[(d, w)] = _Ema(gain - above[0], count=100)
+        table.nodes[(d, w)] = _Ema(nodes - above[1], count=100)
     return table
 
 
@@ -175,16 +227,48 @@ def test_plan_picks_the_goodput_optimal_shape():
     assert spec is not None and (spec.depth, spec.width) == (1, 1)
 
 
-def test_shape_table_sums_estimates_within_depth_and_sibling_rank():
-    # root -> a (0.8), b (0.3); a -> c (0.6), d (0.2); b -> e (0.25)
+def test_shape_table_learns_what_drafts_of_each_shape_realised():
+    """Per width and depth level: how often drafts reached that many accepted tokens and how many of
+    their nodes there were verified; a wide draft counts for narrower widths by its cut (nodes within
+    that sibling rank); a dropped draft counts as nothing; the prior weighs `prior_drafts` drafts."""
+    # root -> a (0.8), b (0.3); a -> c (0.6), d (0.2); b -> e (0.25). Width 1: a, c; width 2: all.
     tree = DraftTree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [1.0, 0.8, 0.3, 0.6, 0.2, 0.25])
-    table = ShapeTable()
-    table.observe(tree, tree.scores, max_width=3, budget=4)
-    assert table.predict(1, 1) == pytest.approx((0.8, 1))
-    assert table.predict(2, 1) == pytest.approx((1.4, 2))  # a, c
-    assert table.predict(1, 2) == pytest.approx((1.1, 2))  # a, b
-    assert table.predict(2, 2) == pytest.approx((1.95, 4))  # the best 4 of 5: all but d
-    assert table.predict(3, 3)[1] == 9  # never drafted: the prior (depth x width nodes)
+    table = ShapeTable(weight=0.01, prior_drafts=1)
+    assert table.predict(2, 2) == pytest.approx((0.6 + 0.36, 4.0))  # never drafted: the prior
+    for path in ([0, 1, 3], [0, 2, 5], [0, 1, 4]):  # a-c, b-e, a-d accepted
+        table.observe(2, 2, tree, path)
+    table.observe(2, 2, None, [0])  # the allocation dropped this one
+    # width 2: every path is inside; level 1 and 2: prior + 1, 1, 1, 0 over five
+    assert table.predict(1, 2) == pytest.approx((3.6 / 5, (2 + 3 * 2) / 5))
+    assert table.predict(2, 2) == pytest.approx(((3.6 + 3.36) / 5, (2 + 3 * 2) / 5 + (2 + 3 * 3) / 5))
+    # width 1: a-c reaches 2, b-e 0 (b is second), a-d 1 (d is second)
+    assert table.predict(2, 1) == pytest.approx(((2.6 + 1.36) / 5, (1 + 3) / 5 + (1 + 3) / 5))
+    assert table.predict(2, 3) == pytest.approx((0.96, 6.0))  # never drafted that wide: the prior
+    for _ in range(2000):  # after the warm-up, a moving average that follows the recent drafts
+        table.observe(1, 2, tree, [0, 1])
+    assert table.predict(1, 2)[0] == pytest.approx(1.0, abs=1e-6)
+    assert table.predict(2, 2)[0] == pytest.approx(1.0 + 3.36 / 5, abs=1e-6)  # level 2 unchanged
+
+
+def test_the_policy_learns_its_shapes_from_its_own_drafts():
+    """A verified draft updates its shape's levels with what was accepted; a draft the allocation
+    drops (verification costs more than its estimates promise) counts as a draft that gained nothing."""
+    p = flat_policy(0.010, 0.0001, 0.0)
+    p.shapes = shape_table({(d, w): (0.5, 2.0) for d in (1, 2, 3) for w in (1, 2)})
+    reqs, caps = [request("a")], [SpecParams(3, 2, 6)]
+    (spec,) = p.plan(reqs, caps, 0)
+    assert spec is not None and spec.budget == 6  # the allocation decides how much of the cap to verify
+    (kept,) = p.allocate(reqs, [spec], [chain([0.9, 0.8, 0.7][: spec.depth])], 0)
+    level1 = p.shapes.reach[(1, spec.width)]
+    before = level1.count
+    p.observe_verified(reqs[0], kept, [0, 1])
+    assert level1.count == before + 1 and level1.value > 0.5
+    dear = flat_policy(0.010, 0.050, 0.0)  # 50 ms a verified token: nothing is worth verifying
+    dear.shapes = shape_table({(1, 1): (0.9, 1.0)})
+    dear.plan(reqs, [SpecParams(1, 1, 1)], 0)
+    (kept,) = dear.allocate(reqs, [SpecParams(1, 1, 1)], [chain([0.3])], 0)
+    assert kept is None
+    assert dear.shapes.reach[(1, 1)].value < 0.9 and dear.shapes.nodes[(1, 1)].value < 1.0
 
 
 def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
