@@ -5,11 +5,12 @@ device is memory-bound, rising once it saturates compute) for a plain step, plus
 trees adds to the plain step of the same batch: a cost per tree and per draft token (the draft
 tokens' forward, tree masks, verification, KV commits), fitted per power-of-two bucket of the plain
 step's tokens, since a draft token costs little while the device is memory-bound and much once it
-is not (until a bucket has seen a tree step, draft tokens cost what the curve says more tokens
-cost). Plain steps of every batch size the engine runs are observed all the time, so the overhead
-is measured against a current baseline, not against profiled points the engine may never revisit. The
-curve is seeded by a start-up profile; both follow the times observed online (exponential moving
-averages), so a model that was profiled cold or on a busy machine corrects itself. The drafter's
+is not (a bucket without tree steps yet borrows the nearest measured bucket's). The engine runs
+plain steps of its batch sizes all the time, so the overhead is measured against a current
+baseline, not against profiled points it may never revisit (a prefill of N tokens is not a decode
+step of N requests). The curve is seeded by a start-up profile; both follow the times observed
+online (exponential moving averages), so a model that was profiled cold or on a busy machine
+corrects itself. The drafter's
 time is a line in the number of requests it drafts for, one line per (depth, width), fitted online
 by least squares with forgetting.
 """
@@ -62,7 +63,8 @@ class TargetCostModel:
 
     # power-of-two bucket of the token count -> (mean tokens, mean seconds), both moving averages
     points: dict[int, tuple[float, float]] = field(default_factory=dict)
-    decay: float = 0.05  # weight of a new observation
+    counts: dict[int, int] = field(default_factory=dict)  # observations per bucket
+    decay: float = 0.05  # weight of a new observation once a bucket has 1/decay of them (a running mean before)
     # power-of-two bucket of a tree step's plain tokens -> what its trees add
     trees: dict[int, _TreeOverhead] = field(default_factory=dict)
     _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
@@ -83,33 +85,35 @@ class TargetCostModel:
             return
         self._curve = None
         b = self.bucket(tokens)
-        old = self.points.get(b)
-        if old is None:
-            self.points[b] = (float(tokens), seconds)
-        else:
-            d = self.decay
-            self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
+        old = self.points.get(b, (0.0, 0.0))
+        self.counts[b] = self.counts.get(b, 0) + 1
+        d = max(self.decay, 1 / self.counts[b])  # a profiled point weighs one step: online data soon rules
+        self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
 
     def reset(self) -> None:
         """Forget the step-time curve (a fresh profile follows)."""
         self.points.clear()
+        self.counts.clear()
         self._curve = None
 
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding
         `num_draft_tokens` draft tokens."""
         base = tokens - num_draft_tokens
-        overhead = self.trees.get(self.bucket(base)) if num_trees else None
-        if overhead is None:  # no tree step at this batch size yet: draft tokens cost what the curve says
+        overhead = self.overhead(base) if num_trees else None
+        if overhead is None:  # no tree step measured yet: draft tokens cost what the curve says
             return self._plain(tokens)
-        per_tree, per_token = overhead.coefficients()
+        per_tree, per_token = overhead
         return self._plain(base) + per_tree * num_trees + per_token * num_draft_tokens
 
     def overhead(self, base_tokens: int) -> tuple[float, float] | None:
         """(seconds per tree, seconds per draft token) that verifying adds to a plain step of
-        `base_tokens` tokens, or None before any tree step in that bucket."""
-        overhead = self.trees.get(self.bucket(base_tokens))
-        return overhead.coefficients() if overhead is not None else None
+        `base_tokens` tokens: measured in its bucket, else in the nearest measured one (None before
+        any tree step)."""
+        if not self.trees:
+            return None
+        b = self.bucket(base_tokens).bit_length()
+        return self.trees[min(self.trees, key=lambda k: (abs(k.bit_length() - b), k))].coefficients()
 
     def _plain(self, tokens: int) -> float:
         """A plain step: interpolated between the buckets' means (made non-decreasing), extrapolated

@@ -18,9 +18,11 @@ drafter's cost in the step time: a request's expected gain at a shape is its cal
 times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
 per depth level and width), its cost the nodes they had verified. No request drafts when plain
 decoding has the better goodput; a request whose own multiplier fell is re-probed every
-`probe_every` steps as if average, and every `probe_every` plans the drafts (at least one) go to
-the full shape, so the table stays measured (large batches on a compute-bound device stop drafting
-altogether but for those probes).
+`probe_every` steps as if average, and every `probe_every` plans the drafts go to the full shape,
+so the table stays measured (large batches on a compute-bound device stop drafting altogether but
+for one such probe every `idle_probe_every` plans); where every step drafts, every
+`probe_every`-th step does not, so the plain step time the verification overhead is measured
+against stays current.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class AdaptiveSettings:
     """Knobs of the adaptive policy (`spec_policy: adaptive`)."""
 
     probe_every: int = 16  # steps between drafts for a request the policy stopped drafting for
+    idle_probe_every: int = 64  # plans between full-shape probes while drafting pays for no request
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
@@ -222,6 +225,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_other_tokens: int = 0
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
+    _plans_since_plain: int = 0
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
 
     # ---- drafting ---------------------------------------------------------------------------------
@@ -283,13 +287,20 @@ class AdaptivePolicy(SpeculationPolicy):
                     if goodput < previous:  # past the peak: requests come in falling gain per token
                         break
                     previous = goodput
-        # Every `probe_every` plans (and until the table has data) the chosen requests, or one request
-        # if none was chosen, draft at the full shape, so every entry of the shape table keeps being
-        # measured and a table that says "never draft" is re-tested.
+        # Every `probe_every` plans (and until the table has data) the chosen requests draft at the
+        # full shape, so every entry of the shape table keeps being measured; while none is chosen,
+        # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
+        # re-tested without taxing the batches where drafting does not pay.
+        # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
+        # overhead is measured against the plain step, which must not go stale.
         self._num_plans += 1
-        if self._num_plans % self.settings.probe_every == 0 or not self.shapes.reach:
+        every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
+        if self._num_plans % every == 0 or not self.shapes.reach:
             best_shape = (max_depth, max_width)
             best_chosen = best_chosen or adaptive[:1]
+        elif best_chosen and self._plans_since_plain >= self.settings.probe_every and not fixed_trees:
+            best_chosen = []
+        self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
         for i in set(adaptive) - set(best_chosen):
             self.acceptance.age(requests[i].request_id)
         for i in best_chosen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -61,7 +62,17 @@ def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
         m.observe(32 + k, 0.050 + 0.001 * k, 1, k)
     assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-6)
     assert m.predict(1 + 4, 1, 4) == pytest.approx(0.032, rel=1e-6)  # batch 1 keeps its own
-    assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(20), rel=1e-6)  # unmeasured: the curve
+    assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(16) + 0.004, rel=1e-6)  # unmeasured: the nearest
+    assert TargetCostModel(points={8: (8.0, 0.01), 16: (16.0, 0.02)}).predict(12, 1, 4) == pytest.approx(0.015)
+
+
+def test_a_profiled_point_weighs_one_step():
+    """A start-up profile taken on a busy machine (180 ms) gives way to the steps the engine runs."""
+    m = TargetCostModel()
+    m.observe(1, 0.180)
+    for _ in range(30):
+        m.observe(1, 0.056)
+    assert m.predict(1) == pytest.approx(0.056, rel=0.08)
 
 
 def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
@@ -269,6 +280,18 @@ def test_the_policy_learns_its_shapes_from_its_own_drafts():
     (kept,) = dear.allocate(reqs, [SpecParams(1, 1, 1)], [chain([0.3])], 0)
     assert kept is None
     assert dear.shapes.reach[(1, 1)].value < 0.9 and dear.shapes.nodes[(1, 1)].value < 1.0
+
+
+def test_where_every_step_drafts_one_in_probe_every_does_not():
+    """Drafting always pays here, but the plain step time the overhead is measured against must stay
+    current: after `probe_every` drafting plans in a row (the full-shape probes aside) one is plain."""
+    p = flat_policy(0.010, 0.0001, 0.0001)
+    p.shapes = shape_table({(d, w): (0.9, 1.0) for d in (1, 2, 3) for w in (1, 2)})
+    reqs, caps = [request("a")], [SpecParams(3, 2, 6)]
+    drafted = [p.plan(reqs, caps, 0)[0] is not None for _ in range(64)]
+    plain = [i for i, d in enumerate(drafted) if not d]
+    assert plain and len(plain) <= 64 // p.settings.probe_every + 1
+    assert all(b - a > p.settings.probe_every for a, b in itertools.pairwise(plain))
 
 
 def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
