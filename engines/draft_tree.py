@@ -65,6 +65,13 @@ class DraftTree:
         """Children of `node`, in node order (the drafter's preference order)."""
         return [i for i, p in enumerate(self.parents) if p == node]
 
+    def child_lists(self) -> list[list[int]]:
+        """Every node's children, in node order (one pass over the tree)."""
+        children: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents[1:], 1):
+            children[p].append(i)
+        return children
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root to `node`, inclusive."""
         path = []

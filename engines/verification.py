@@ -74,7 +74,7 @@ def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
     """Follow children equal to the target's argmax at each node (target_argmax: [n])."""
     node = 0
     path = [0]
-    children = _children_lists(tree)
+    children = tree.child_lists()
     while True:
         want = target_argmax[node]
         nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
@@ -88,7 +88,7 @@ def verify_tree(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> Verify
     """Sequential acceptance down a deterministic tree (target_probs: [n, vocab], rows sum to 1)."""
     node = 0
     path = [0]
-    children = _children_lists(tree)
+    children = tree.child_lists()
     while True:
         p = target_probs[node]
         accepted = None
@@ -171,13 +171,6 @@ def verify_chain_hsd_published_lossy(tree: DraftTree, target_probs: torch.Tensor
     """LOSSY: the HSD paper's published code, accepting the whole chain w.p. min(1, prod rho)."""
     _, s = block_weights(tree, target_probs)
     return _block_verify(tree, target_probs, rng, min(1.0, torch.exp(s[-1]).item()))
-
-
-def _children_lists(tree: DraftTree) -> list[list[int]]:
-    children: list[list[int]] = [[] for _ in range(tree.size)]
-    for i, p in enumerate(tree.parents[1:], 1):
-        children[p].append(i)
-    return children
 
 
 CHAIN_VERIFIERS = {

@@ -192,11 +192,8 @@ class ShapeTable:
 def _sibling_ranks(tree: DraftTree) -> list[int]:
     """Each node's rank among its siblings by drafter score (1: the best; the root: 0)."""
     scores = tree.scores or [1.0] * tree.size
-    children: dict[int, list[int]] = {}
-    for i in range(1, tree.size):
-        children.setdefault(tree.parents[i], []).append(i)
     rank = [0] * tree.size
-    for kids in children.values():
+    for kids in tree.child_lists():
         for r, i in enumerate(sorted(kids, key=lambda i: (-scores[i], i)), 1):
             rank[i] = r
     return rank
