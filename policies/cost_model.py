@@ -10,9 +10,8 @@ plain steps of its batch sizes all the time, so the overhead is measured against
 baseline, not against profiled points it may never revisit (a prefill of N tokens is not a decode
 step of N requests). The curve is seeded by a start-up profile; both follow the times observed
 online (exponential moving averages), so a model that was profiled cold or on a busy machine
-corrects itself. The drafter's
-time is a line in the number of requests it drafts for, one line per (depth, width), fitted online
-by least squares with forgetting.
+corrects itself. The drafter's time is a line in the number of requests it drafts for, one line per
+(depth, width), fitted online by least squares with forgetting.
 """
 
 from __future__ import annotations
@@ -68,6 +67,8 @@ class TargetCostModel:
     # power-of-two bucket of a tree step's plain tokens -> what its trees add
     trees: dict[int, _TreeOverhead] = field(default_factory=dict)
     _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
+    # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
+    _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -82,6 +83,7 @@ class TargetCostModel:
                 base = tokens - num_draft_tokens
                 overhead = self.trees.setdefault(self.bucket(base), _TreeOverhead())
                 overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base))
+                self._overheads.clear()
             return
         self._curve = None
         b = self.bucket(tokens)
@@ -112,8 +114,11 @@ class TargetCostModel:
         any tree step)."""
         if not self.trees:
             return None
-        b = self.bucket(base_tokens).bit_length()
-        return self.trees[min(self.trees, key=lambda k: (abs(k.bit_length() - b), k))].coefficients()
+        b = self.bucket(base_tokens)
+        if b not in self._overheads:  # asked for many times per plan: solved once per tree step
+            near = min(self.trees, key=lambda k: (abs(k.bit_length() - b.bit_length()), k))
+            self._overheads[b] = self.trees[near].coefficients()
+        return self._overheads[b]
 
     def _plain(self, tokens: int) -> float:
         """A plain step: interpolated between the buckets' means (made non-decreasing), extrapolated
