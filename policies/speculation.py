@@ -151,9 +151,11 @@ class ShapeTable:
     These are outcomes of real drafts, re-sampled trees fused in and the allocation's pruning
     included, so no calibration of the drafter's scores enters them. A level starts from an
     optimistic prior that counts as `prior_drafts` drafts, so it gets tried and a few unlucky first
-    drafts do not rule it out."""
+    drafts do not rule it out. It is a population average over ~1/weight drafts: at batch 1 that
+    spans several requests, so one request's bad stretch does not stop drafting for the next (that
+    request's own multiplier in the acceptance model answers for it)."""
 
-    weight: float = 0.05
+    weight: float = 0.01
     prior_drafts: int = 4
     reach: dict[tuple[int, int], _Ema] = field(default_factory=dict)
     nodes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
