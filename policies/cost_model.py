@@ -93,10 +93,12 @@ class TargetCostModel:
         self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
 
     def reset(self) -> None:
-        """Forget the step-time curve (a fresh profile follows)."""
+        """Forget every measurement (a fresh profile follows)."""
         self.points.clear()
         self.counts.clear()
+        self.trees.clear()
         self._curve = None
+        self._overheads.clear()
 
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding

@@ -1,8 +1,12 @@
 """Start-up profile: seed the speculation policy's cost models with a few real steps.
 
 Target: prefill steps of 1, 2, 4, ... tokens (one request each, no speculation), each size once to
-warm up and then `REPEATS` times, the fastest kept. Drafter: a short speculative decode of two
-requests at the configured tree. The acceptance statistics of these synthetic prompts are dropped.
+warm up and then `REPEATS` times, the fastest kept. Trees and drafter: short speculative decodes of
+one and of two requests at the configured shape, with a small and the full verification budget, so
+the verification overhead of both batch buckets is fitted per tree and per draft token from the
+start (a decode before them warms up and is forgotten). A bucket fitted from a couple of noisy first
+steps instead could price drafting out at batch 1 until its rare probes corrected it. The acceptance
+statistics of these synthetic prompts are dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.acceptance import AcceptanceModel
+from policies.cost_model import DraftCostModel
 from policies.speculation import ShapeTable
 
 if TYPE_CHECKING:
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
 
 MAX_PROFILE_TOKENS = 256
 REPEATS = 3  # timed runs per size; one slow run on a noisy machine must not set a bucket
+TREE_STEPS = 6  # tokens per speculative decode (the synthetic prompts accept almost nothing: ~one per step)
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: SpecParams) -> None:
@@ -47,11 +53,16 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
             _run(engine, [[rng.randrange(vocab) for _ in range(n)]], 1, no_spec)
             if rep:
                 fastest[n] = min(fastest.get(n, float("inf")), time.perf_counter() - start)
+    prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
+    full = dataclasses.replace(engine.config.spec, fixed=True)  # the drafter at its full shape
+    _run(engine, prompts[:1], 4, full)  # warms the tree steps up
     policy.target_cost.reset()  # the steps above also reported themselves, warm-ups included
+    policy.draft_cost = DraftCostModel()
     for n, seconds in fastest.items():
         policy.target_cost.observe(n, seconds)
-    prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
-    _run(engine, prompts, 12, dataclasses.replace(engine.config.spec, fixed=True))  # the drafter at its full shape
+    for budget in sorted({max(1, full.budget // 4), full.budget}):
+        for batch in (1, 2):
+            _run(engine, prompts[:batch], TREE_STEPS, dataclasses.replace(full, budget=budget))
     policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
     policy.shapes = ShapeTable()
     policy.requests.clear()

@@ -16,6 +16,7 @@ def test_adaptive_greedy_output_equals_the_target_alone(engine_fp32):
     adaptive = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, spec_policy="adaptive"))
     policy = adaptive.policy
     assert policy.target_cost.ready and policy.draft_cost.ready  # the start-up profile ran
+    assert set(policy.target_cost.trees) == {1, 2}  # tree steps at batch 1 and 2 were profiled too
     params = SamplingParams(temperature=0, max_tokens=32)
     for _ in range(2):  # the second round runs on what the first taught it
         ours = adaptive.generate(CHAT_PROMPTS, params)
