@@ -5,7 +5,9 @@ device is memory-bound, rising once it saturates compute) for a plain step, plus
 trees adds to the plain step of the same batch: a cost per tree and per draft token (the draft
 tokens' forward, tree masks, verification, KV commits), fitted per power-of-two bucket of the plain
 step's tokens, since a draft token costs little while the device is memory-bound and much once it
-is not (a bucket without tree steps yet borrows the nearest measured bucket's). The engine runs
+is not (a bucket without tree steps yet borrows the nearest measured bucket's; one measured only by
+one kind of tree, such as the idle probe of a batch where drafting does not pay, divides that tree's
+cost between tree and token as the nearest bucket with both does). The engine runs
 plain steps of its batch sizes all the time, so the overhead is measured against a current
 baseline, not against profiled points it may never revisit (a prefill of N tokens is not a decode
 step of N requests). The curve is seeded by a start-up profile; both follow the times observed
@@ -43,17 +45,29 @@ class _TreeOverhead:
         )
         self.str_, self.skr = f * self.str_ + trees * residual, f * self.skr + tokens * residual
 
-    def coefficients(self) -> tuple[float, float]:
-        """(seconds per tree, seconds per draft token)."""
-        det = self.stt * self.skk - self.stk * self.stk
-        if det > 1e-9 * max(1.0, self.stt * self.skk):
+    def separable(self) -> bool:
+        """Whether its steps varied in draft tokens per tree, so that both coefficients are determined."""
+        return self.stt * self.skk - self.stk * self.stk > 1e-9 * max(1.0, self.stt * self.skk)
+
+    def coefficients(self, split: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(seconds per tree, seconds per draft token). Where every step had the same draft tokens per
+        tree (the same probe over and over), what they cost is divided between the two as `split`
+        (another bucket's coefficients) divides it, or else put all on the tree."""
+        if self.separable():
+            det = self.stt * self.skk - self.stk * self.stk
             a = (self.str_ * self.skk - self.skr * self.stk) / det
             b = (self.skr * self.stt - self.str_ * self.stk) / det
             if a >= 0 and b >= 0:
                 return a, b
             if a < 0 and self.skk > 0:
                 return 0.0, max(0.0, self.skr / self.skk)
-        return (max(0.0, self.str_ / self.stt), 0.0) if self.stt > 0 else (0.0, 0.0)
+        if self.stt <= 0:
+            return 0.0, 0.0
+        per_tree = max(0.0, self.str_ / self.stt)  # tokens per tree are fixed: a cost per such tree
+        if split is not None and split[0] + split[1] * self.stk / self.stt > 0:
+            scale = per_tree / (split[0] + split[1] * self.stk / self.stt)
+            return split[0] * scale, split[1] * scale
+        return per_tree, 0.0
 
 
 @dataclass
@@ -118,8 +132,16 @@ class TargetCostModel:
             return None
         b = self.bucket(base_tokens)
         if b not in self._overheads:  # asked for many times per plan: solved once per tree step
-            near = min(self.trees, key=lambda k: (abs(k.bit_length() - b.bit_length()), k))
-            self._overheads[b] = self.trees[near].coefficients()
+
+            def distance(k: int) -> tuple[int, int]:
+                return abs(k.bit_length() - b.bit_length()), k
+
+            fit = self.trees[min(self.trees, key=distance)]
+            separable = [k for k, f in self.trees.items() if f.separable()]
+            split = None
+            if separable and not fit.separable():
+                split = self.trees[min(separable, key=distance)].coefficients()
+            self._overheads[b] = fit.coefficients(split)
         return self._overheads[b]
 
     def _plain(self, tokens: int) -> float:

@@ -66,6 +66,26 @@ def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
     assert TargetCostModel(points={8: (8.0, 0.01), 16: (16.0, 0.02)}).predict(12, 1, 4) == pytest.approx(0.015)
 
 
+def test_a_bucket_measured_by_one_kind_of_tree_splits_its_cost_like_its_neighbour():
+    """Idle probes verify the same 16-token tree every time: their cost is divided between tree and
+    token as the nearest bucket with varied trees divides it, so a 1-token tree is not priced as a
+    16-token one."""
+    m = TargetCostModel()
+    for tokens, seconds in ((1, 0.030), (16, 0.032), (32, 0.050), (64, 0.080)):
+        m.observe(tokens, seconds)
+    for k in (1, 4, 8, 16) * 10:  # batch 1: 2 ms a tree, 0.5 ms a draft token
+        m.observe(1 + k, 0.030 + 0.002 + 0.0005 * k, 1, k)
+    for _ in range(10):  # batch 32: only the probe, 1 tree of 16 tokens, 20 ms
+        m.observe(32 + 16, 0.050 + 0.020, 1, 16)
+    per_tree, per_token = m.overhead(32)
+    assert per_tree + 16 * per_token == pytest.approx(0.020)  # what was measured holds
+    assert per_tree / per_token == pytest.approx(0.002 / 0.0005)  # split as at batch 1
+    assert m.predict(33, 1, 1) == pytest.approx(0.050 + 0.020 * (0.002 + 0.0005) / (0.002 + 16 * 0.0005))
+    alone = TargetCostModel(points={32: (32.0, 0.05)})
+    alone.observe(48, 0.070, 1, 16)  # nothing to split by: all on the tree
+    assert alone.overhead(32) == pytest.approx((0.020, 0.0))
+
+
 def test_a_profiled_point_weighs_one_step():
     """A start-up profile taken on a busy machine (180 ms) gives way to the steps the engine runs."""
     m = TargetCostModel()
