@@ -110,6 +110,10 @@ class AdaptiveSettings:
 
     probe_every: int = 16  # steps between drafts for a request the policy stopped drafting for
     idle_probe_every: int = 64  # plans between full-shape probes while drafting pays for no request
+    # while drafting pays for no request, the best drafting option is still tried at a rate that
+    # costs about this share of throughput by its own prediction: often where it nearly pays (a
+    # table stuck just below break-even recovers), seldom where it is far from paying
+    probe_cost: float = 0.003
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
@@ -225,6 +229,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
     _plans_since_plain: int = 0
+    _probe_credit: float = 0.0  # throughput share saved up for trying the best option that does not pay
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
 
     # ---- drafting ---------------------------------------------------------------------------------
@@ -249,8 +254,9 @@ class AdaptivePolicy(SpeculationPolicy):
         max_width = max(caps[i].width for i in adaptive)
         # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
-        best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
+        plain_goodput = best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
         best_shape, best_chosen = (0, 0), []
+        near_goodput, near_shape, near_chosen = 0.0, (0, 0), []  # the best drafting option, paying or not
         factors = {}
         for i in adaptive:
             st = states[i]
@@ -281,22 +287,31 @@ class AdaptivePolicy(SpeculationPolicy):
                     gain, budget = gain + g, budget + b
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
+                    if goodput > near_goodput:
+                        near_goodput, near_shape, near_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
                     if goodput > best_goodput:
-                        best_goodput, best_shape, best_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
+                        best_goodput, best_shape, best_chosen = goodput, near_shape, near_chosen
                     if goodput < previous:  # past the peak: requests come in falling gain per token
                         break
                     previous = goodput
         # Every `probe_every` plans (and until the table has data) the chosen requests draft at the
         # full shape, so every entry of the shape table keeps being measured; while none is chosen,
         # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
-        # re-tested without taxing the batches where drafting does not pay.
+        # re-tested without taxing the batches where drafting does not pay, and the best option that
+        # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss.
         # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
         self._num_plans += 1
         every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
+        if not best_chosen:
+            self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
+        loss = 1 - near_goodput / plain_goodput
         if self._num_plans % every == 0 or not self.shapes.reach:
             best_shape = (max_depth, max_width)
             best_chosen = best_chosen or adaptive[:1]
+        elif not best_chosen and near_chosen and self._probe_credit >= loss:
+            self._probe_credit -= loss
+            best_shape, best_chosen = near_shape, near_chosen
         elif best_chosen and self._plans_since_plain >= self.settings.probe_every and not fixed_trees:
             best_chosen = []
         self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0

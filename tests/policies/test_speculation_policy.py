@@ -13,7 +13,7 @@ from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.acceptance import AcceptanceModel
 from policies.cost_model import DraftCostModel, TargetCostModel
-from policies.speculation import AdaptivePolicy, FixedPolicy, ShapeTable, StepRecord, _Ema
+from policies.speculation import AdaptivePolicy, AdaptiveSettings, FixedPolicy, ShapeTable, StepRecord, _Ema
 
 
 def request(rid: str, tpot: float | None = None) -> Request:
@@ -300,6 +300,24 @@ def test_the_policy_learns_its_shapes_from_its_own_drafts():
     (kept,) = dear.allocate(reqs, [SpecParams(1, 1, 1)], [chain([0.3])], 0)
     assert kept is None
     assert dear.shapes.reach[(1, 1)].value < 0.9 and dear.shapes.nodes[(1, 1)].value < 1.0
+
+
+def test_an_option_that_nearly_pays_is_tried_often_one_far_from_paying_seldom():
+    """While drafting pays for no request, the best option is still tried at a rate that costs about
+    `probe_cost` of throughput by its predicted loss: at a 0.5% loss every couple of plans (a table
+    stuck just below break-even gets re-measured), at a 75% loss hardly beyond the idle probes."""
+    reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+    drafted = {}
+    for name, draft_s, loss in (("near", 0.0151, (0.0, 0.01)), ("far", 0.150, (0.7, 0.8))):
+        p = flat_policy(0.010, 0.0001, draft_s)  # a depth-1 round costs a third of draft_s
+        p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+        plain = 1 / p.target_cost.predict(1)
+        option = 1.5 / (p.target_cost.predict(2, 1, 1) + p.draft_cost.predict(1, 1, 1))
+        assert loss[0] < 1 - option / plain < loss[1]
+        drafted[name] = sum(p.plan(reqs, caps, 0)[0] is not None for _ in range(256))
+    idle_probes = 256 // AdaptiveSettings().idle_probe_every
+    assert drafted["near"] > 256 // 4
+    assert idle_probes <= drafted["far"] <= idle_probes + 2
 
 
 def test_where_every_step_drafts_one_in_probe_every_does_not():
