@@ -243,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         if base is not None:
             out["speedup_vs_none"] = out["tokens_per_s"] / (base.output_tokens / base.wall_s)
+            # robust to a machine whose speed drifts between waves: the waves are interleaved
+            out["speedup_vs_none_median_wave"] = statistics.median(
+                b / s for b, s in zip(base.wave_s, side.wave_s, strict=True)
+            )
             out["identical_to_none"] = sum(side.outputs[i] == base.outputs[i] for i in base.outputs) / len(prompts)
         return out
 

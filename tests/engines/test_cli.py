@@ -82,6 +82,7 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
     ngram = out["configs"]["ngram:3:2:4"]
     for key in ("tokens_per_s", "mean_accepted_tokens", "acceptance_by_depth", "target_forwards", "speedup_vs_none"):
         assert key in ngram
+    assert ngram["speedup_vs_none_median_wave"] > 0 and out["configs"]["none"]["speedup_vs_none_median_wave"] == 1.0
     assert ngram["output_tokens"] == 16 and ngram["target_forwards"] <= 16
     assert ngram["mean_accepted_tokens"] >= 1.0 and len(ngram["acceptance_by_depth"]) <= 3
     assert "speedup_vs_hf" in out["configs"]["hf-prompt-lookup"]
