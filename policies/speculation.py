@@ -255,8 +255,10 @@ class AdaptivePolicy(SpeculationPolicy):
         # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
         plain_goodput = best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
-        best_shape, best_chosen = (0, 0), []
-        near_goodput, near_shape, near_chosen = 0.0, (0, 0), []  # the best drafting option, paying or not
+        # The best option that pays and the best drafting option, paying or not: (shape, its options
+        # ordered, how many of them draft); the request lists are built once, after the search.
+        best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
+        near_goodput, near = 0.0, best
         factors = {}
         for i in adaptive:
             st = states[i]
@@ -288,9 +290,9 @@ class AdaptivePolicy(SpeculationPolicy):
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
                     if goodput > near_goodput:
-                        near_goodput, near_shape, near_chosen = goodput, (depth, width), [i for _, _, i in options[:m]]
+                        near_goodput, near = goodput, ((depth, width), options, m)
                     if goodput > best_goodput:
-                        best_goodput, best_shape, best_chosen = goodput, near_shape, near_chosen
+                        best_goodput, best = goodput, near
                     if goodput < previous:  # past the peak: requests come in falling gain per token
                         break
                     previous = goodput
@@ -301,6 +303,8 @@ class AdaptivePolicy(SpeculationPolicy):
         # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss.
         # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
+        best_shape, best_chosen = best[0], [i for _, _, i in best[1][: best[2]]]
+        near_shape, near_chosen = near[0], [i for _, _, i in near[1][: near[2]]]
         self._num_plans += 1
         every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
         if not best_chosen:
