@@ -45,16 +45,19 @@ class _TreeOverhead:
         )
         self.str_, self.skr = f * self.str_ + trees * residual, f * self.skr + tokens * residual
 
+    def _det(self) -> float:
+        return self.stt * self.skk - self.stk * self.stk
+
     def separable(self) -> bool:
         """Whether its steps varied in draft tokens per tree, so that both coefficients are determined."""
-        return self.stt * self.skk - self.stk * self.stk > 1e-9 * max(1.0, self.stt * self.skk)
+        return self._det() > 1e-9 * max(1.0, self.stt * self.skk)
 
     def coefficients(self, split: tuple[float, float] | None = None) -> tuple[float, float]:
         """(seconds per tree, seconds per draft token). Where every step had the same draft tokens per
         tree (the same probe over and over), what they cost is divided between the two as `split`
         (another bucket's coefficients) divides it, or else put all on the tree."""
         if self.separable():
-            det = self.stt * self.skk - self.stk * self.stk
+            det = self._det()
             a = (self.str_ * self.skk - self.skr * self.stk) / det
             b = (self.skr * self.stt - self.str_ * self.stk) / det
             if a >= 0 and b >= 0:
