@@ -95,27 +95,54 @@ class LyannaDrafter(Drafter):
         self.states.pop(request.request_id, None)
 
     # ---- drafting -------------------------------------------------------------------------------
+    def unread_context(self, request: Request) -> int:
+        st = self.states.get(request.request_id)
+        if st is None:
+            return 0
+        end = min(len(st.hidden), request.num_tokens - 1)
+        return max(0, end - max(st.processed, request.num_prompt_tokens))
+
+    def catch_up(self, requests: list[Request]) -> list[int]:
+        todo = [(i, req, st) for i, req in enumerate(requests) if (st := self.states.get(req.request_id)) is not None]
+        read = [0] * len(requests)
+        for (i, _, _), n in zip(todo, self._advance_contexts([(req, st) for _, req, st in todo]), strict=True):
+            read[i] = n
+        return read
+
     @torch.no_grad()
-    def _advance_context(self, req: Request, st: _State) -> None:
-        """Run the layer over context positions not yet processed, through position T-2."""
+    def _advance_contexts(self, items: list[tuple[Request, _State]]) -> list[int]:
+        """Run the layer over each request's context positions not yet processed, through position
+        T-2: every request's positions in one pass, attention per request. How many, per request."""
+        spans = [(req, st, st.processed, min(len(st.hidden), req.num_tokens - 1)) for req, st in items]
+        todo = [span for span in spans if span[2] < span[3]]
+        if not todo:
+            return [0] * len(items)
         m = self.model
-        start, end = st.processed, min(len(st.hidden), req.num_tokens - 1)
-        if start >= end:
-            return
-        hidden = torch.stack(st.hidden[start:end])
-        next_tokens = torch.tensor(req.token_ids(start + 1, end + 1), device=hidden.device)
-        x = m.fused_input(hidden, next_tokens)
-        q, k, v = m._qkv(x, torch.arange(start, end, device=hidden.device))
+        hidden = torch.stack([h for _, st, start, end in todo for h in st.hidden[start:end]])
+        device = hidden.device
+        next_tokens = [t for req, _, start, end in todo for t in req.token_ids(start + 1, end + 1)]
+        positions = torch.cat([torch.arange(start, end) for _, _, start, end in todo]).to(device)
+        x = m.fused_input(hidden, torch.tensor(next_tokens, device=device))
+        q, k, v = m._qkv(x, positions)
         k, v = m._expand_kv(k), m._expand_kv(v)
-        keys = k if st.keys is None else torch.cat([st.keys, k])
-        values = v if st.values is None else torch.cat([st.values, v])
-        n = end - start
-        mask = torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(diagonal=start)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
-        )
-        st.last_out = m._finish(x, out.transpose(0, 1))[-1:]
-        st.keys, st.values = keys, values
+        outs, offset = [], 0
+        for _, st, start, end in todo:
+            n, rows = end - start, slice(offset, offset + end - start)
+            keys = k[rows] if st.keys is None else torch.cat([st.keys, k[rows]])
+            values = v[rows] if st.values is None else torch.cat([st.values, v[rows]])
+            mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=start)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
+            )
+            outs.append(out.transpose(0, 1))
+            st.keys, st.values = keys, values
+            offset += n
+        layer_out = m._finish(x, torch.cat(outs))
+        offset = 0
+        for _, st, start, end in todo:
+            offset += end - start
+            st.last_out = layer_out[offset - 1 : offset]
+        return [end - start for _, _, start, end in spans]
 
     def _context_ready(self, req: Request) -> _State | None:
         """The request's state with its context K/V brought up to date, or None when the target has
@@ -123,7 +150,7 @@ class LyannaDrafter(Drafter):
         st = self.states.get(req.request_id)
         if st is None or len(st.hidden) < req.num_tokens - 1:
             return None
-        self._advance_context(req, st)
+        self._advance_contexts([(req, st)])
         return st if st.last_out is not None else None
 
     @torch.no_grad()

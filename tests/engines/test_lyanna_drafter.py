@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -56,6 +58,30 @@ def test_batched_trajectories_equal_each_request_alone(lyanna_checkpoint):
     batched = engine.drafter.trajectories(reqs, 4)
     for req, got in zip(reqs, batched, strict=True):
         torch.testing.assert_close(got, engine.drafter.trajectories([req], 4)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_batched_catch_up_equals_each_request_alone(lyanna_checkpoint):
+    engine = lyanna_engine(lyanna_checkpoint)
+    engine.policy.plan = lambda reqs, caps, other, unread=None: [None] * len(reqs)  # plain decoding only
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
+    for _ in range(5):
+        engine.step()
+    drafter = engine.drafter
+    # The prompt is read on the first draft and not counted as unread; what was generated since is.
+    assert [drafter.unread_context(r) for r in reqs] == [len(r.output_token_ids) - 1 for r in reqs]
+    before = copy.deepcopy(drafter.states)
+    read = drafter.catch_up(reqs)
+    assert read == [r.num_tokens - 1 for r in reqs]  # through position T-2, prompt included
+    assert [drafter.unread_context(r) for r in reqs] == [0, 0, 0]
+    assert drafter.catch_up(reqs) == [0, 0, 0]
+    batched = drafter.states
+    for req in reqs:
+        drafter.states = copy.deepcopy(before)
+        assert drafter.catch_up([req]) == [req.num_tokens - 1]
+        alone, together = drafter.states[req.request_id], batched[req.request_id]
+        torch.testing.assert_close(together.keys, alone.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(together.last_out, alone.last_out, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
