@@ -358,16 +358,13 @@ class LLMEngine:
                 other_tokens += todo
         if not reqs:
             return
-        plans = self.policy.plan(reqs, caps, other_tokens, [self.drafter.unread_context(r) for r in reqs])
+        plans = self.policy.plan(reqs, caps, other_tokens)
         drafting = [r for r, p in zip(reqs, plans, strict=True) if p is not None]
         specs = [p for p in plans if p is not None]
         if not drafting:
             return
         start = time.perf_counter()
-        read = self.drafter.catch_up(drafting)
-        record.context_s = time.perf_counter() - start
-        record.context_requests, record.context_tokens = sum(1 for n in read if n), sum(read)
-        start = time.perf_counter()
+        self.drafter.catch_up(drafting)  # all requests' unread context in one pass
         trees = self.drafter.propose(drafting, specs)
         record.draft_s = time.perf_counter() - start
         record.num_drafted = len(drafting)

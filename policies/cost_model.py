@@ -13,9 +13,7 @@ baseline, not against profiled points it may never revisit (a prefill of N token
 step of N requests). The curve is seeded by a start-up profile; both follow the times observed
 online (exponential moving averages), so a model that was profiled cold or on a busy machine
 corrects itself. The drafter's time is a line in the number of requests it drafts for, one line per
-(depth, width), fitted online by least squares with forgetting, plus what reading a request's
-unread context costs before its draft (the tokens it generated while it did not draft: per request
-and per token), measured apart, since a request the policy left idle for long costs more to draft.
+(depth, width), fitted online by least squares with forgetting.
 """
 
 from __future__ import annotations
@@ -26,10 +24,10 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class _TwoTermFit:
-    """Seconds as a·u + b·v (trees and draft tokens of a tree step's overhead; requests and tokens of
-    the drafter's context reading): least squares through the origin with exponential forgetting
-    (one coefficient alone when the two move together)."""
+class _TreeOverhead:
+    """Extra seconds of a step that verifies trees over the plain step of its batch, as
+    a·trees + b·draft tokens: least squares through the origin with exponential forgetting (one
+    coefficient alone when the two move together)."""
 
     forget: float = 0.99
     stt: float = 0.0
@@ -39,7 +37,6 @@ class _TwoTermFit:
     skr: float = 0.0
 
     def add(self, trees: int, tokens: int, residual: float) -> None:
-        """One sample: u = trees, v = tokens, y = residual seconds."""
         f = self.forget
         self.stt, self.stk, self.skk = (
             f * self.stt + trees * trees,
@@ -52,14 +49,13 @@ class _TwoTermFit:
         return self.stt * self.skk - self.stk * self.stk
 
     def separable(self) -> bool:
-        """Whether its samples varied in v per u (draft tokens per tree), so that both coefficients are
-        determined."""
+        """Whether its steps varied in draft tokens per tree, so that both coefficients are determined."""
         return self._det() > 1e-9 * max(1.0, self.stt * self.skk)
 
     def coefficients(self, split: tuple[float, float] | None = None) -> tuple[float, float]:
-        """(a, b): seconds per tree and per draft token. Where every sample had the same v per u (the
-        same probe over and over), what they cost is divided between the two as `split` (another
-        bucket's coefficients) divides it, or else put all on u."""
+        """(seconds per tree, seconds per draft token). Where every step had the same draft tokens per
+        tree (the same probe over and over), what they cost is divided between the two as `split`
+        (another bucket's coefficients) divides it, or else put all on the tree."""
         if self.separable():
             det = self._det()
             a = (self.str_ * self.skk - self.skr * self.stk) / det
@@ -86,7 +82,7 @@ class TargetCostModel:
     counts: dict[int, int] = field(default_factory=dict)  # observations per bucket
     decay: float = 0.05  # weight of a new observation once a bucket has 1/decay of them (a running mean before)
     # power-of-two bucket of a tree step's plain tokens -> what its trees add
-    trees: dict[int, _TwoTermFit] = field(default_factory=dict)
+    trees: dict[int, _TreeOverhead] = field(default_factory=dict)
     _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
     # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
     _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
@@ -102,7 +98,7 @@ class TargetCostModel:
         if num_trees:
             if self.points:
                 base = tokens - num_draft_tokens
-                overhead = self.trees.setdefault(self.bucket(base), _TwoTermFit())
+                overhead = self.trees.setdefault(self.bucket(base), _TreeOverhead())
                 overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base))
                 self._overheads.clear()
             return
@@ -207,21 +203,9 @@ class _Line:
 
 @dataclass
 class DraftCostModel:
-    """Predicted seconds of one drafting round for `num_requests` requests with trees `depth` x `width`,
-    and of the drafter first reading the context it has not yet seen (the tokens a request generated
-    while it did not draft): per request and per token."""
+    """Predicted seconds of one drafting round for `num_requests` requests with trees `depth` x `width`."""
 
     lines: dict[tuple[int, int], _Line] = field(default_factory=dict)
-    context: _TwoTermFit = field(default_factory=_TwoTermFit)
-
-    def observe_context(self, num_requests: int, tokens: int, seconds: float) -> None:
-        """Fold in one measured context reading: `tokens` tokens over `num_requests` requests."""
-        self.context.add(num_requests, tokens, seconds)
-
-    def predict_context(self, num_requests: int, tokens: int) -> float:
-        """Seconds to read `tokens` context tokens over `num_requests` requests (0 before any reading)."""
-        per_request, per_token = self.context.coefficients()
-        return per_request * num_requests + per_token * tokens
 
     def observe(self, depth: int, width: int, num_requests: int, seconds: float) -> None:
         """Fold one measured drafting round in."""

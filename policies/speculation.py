@@ -51,9 +51,6 @@ class StepRecord:
     num_drafted: int = 0  # requests the drafter drafted for
     num_trees: int = 0  # requests that verified a tree in the target forward
     num_draft_tokens: int = 0  # draft tokens in those trees
-    context_s: float = 0.0  # the drafter reading the drafted requests' unread context (not in draft_s)
-    context_requests: int = 0  # drafted requests that had context to read
-    context_tokens: int = 0  # tokens it read
 
 
 class SpeculationPolicy(ABC):
@@ -62,12 +59,9 @@ class SpeculationPolicy(ABC):
     name: str = "policy"
 
     @abstractmethod
-    def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, unread: list[int] | None = None
-    ) -> list[SpecParams | None]:
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
         """Per decoding request: the tree to draft (within its caps), or None for no draft this step.
-        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks);
-        `unread`, per request, the generated tokens the drafter has yet to read to draft for it."""
+        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks)."""
 
     @abstractmethod
     def allocate(
@@ -94,9 +88,7 @@ class FixedPolicy(SpeculationPolicy):
 
     name = "fixed"
 
-    def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, unread: list[int] | None = None
-    ) -> list[SpecParams | None]:
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
         return list(caps)
 
     def allocate(
@@ -241,9 +233,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
 
     # ---- drafting ---------------------------------------------------------------------------------
-    def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, unread: list[int] | None = None
-    ) -> list[SpecParams | None]:
+    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
         n = len(requests)
         self._step_decoders, self._step_other_tokens = n, other_tokens
         self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
@@ -267,7 +257,7 @@ class AdaptivePolicy(SpeculationPolicy):
         plain_goodput = best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
         # The best option that pays and the best drafting option, paying or not: (shape, its options
         # ordered, how many of them draft); the request lists are built once, after the search.
-        best: tuple[tuple[int, int], list[tuple[float, int, int, float]], int] = ((0, 0), [], 0)
+        best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
         near_goodput, near = 0.0, best
         factors = {}
         for i in adaptive:
@@ -279,15 +269,10 @@ class AdaptivePolicy(SpeculationPolicy):
                 # a bad stretch can recover; drafting still has to pay at the population's acceptance.
                 factor = max(factor, 1.0)
             factors[i] = (factor, self.settings.explore_bonus if probe or not st.history else 0.0)
-        # What drafting for a request costs besides its share of the round: reading the tokens it
-        # generated since it last drafted, and verifying its tree; the cheapest gain goes first.
-        unread = unread or [0] * n
-        context = {i: self.draft_cost.predict_context(1, unread[i]) for i in adaptive}
-        per_tree, per_token = self.target_cost.overhead(base) or (0.0, 1.0)
         shape_cache: dict[tuple[int, int], tuple[float, float]] = {}  # requests mostly share their caps
         for depth in range(1, max_depth + 1):
             for width in range(1, max_width + 1):
-                options: list[tuple[float, int, int, float]] = []  # (gain, budget, index, its cost)
+                options: list[tuple[float, int, int]] = []  # (gain, budget, index)
                 for i in adaptive:
                     cap = caps[i]
                     shape = (min(cap.depth, depth), min(cap.width, width))
@@ -296,15 +281,14 @@ class AdaptivePolicy(SpeculationPolicy):
                     shape_gain, shape_nodes = shape_cache[shape]
                     gain = factors[i][0] * shape_gain + factors[i][1]
                     if gain >= self.settings.min_gain:
-                        b = min(cap.budget, max(1, round(shape_nodes)))
-                        options.append((gain, b, i, context[i] + per_tree + per_token * b))
-                options.sort(key=lambda o: (-o[0] / o[3] if o[3] > 0 else -o[0] / o[1], o[2]))
+                        options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
+                options.sort(key=lambda o: (-o[0] / o[1], o[2]))
                 gain = budget = 0
-                previous = reading = 0.0
-                for m, (g, b, i, _) in enumerate(options, 1):
-                    gain, budget, reading = gain + g, budget + b, reading + context[i]
+                previous = 0.0
+                for m, (g, b, _) in enumerate(options, 1):
+                    gain, budget = gain + g, budget + b
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
-                    goodput = (n + gain) / (step + reading + self.draft_cost.predict(depth, width, m))
+                    goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
                     if goodput > near_goodput:
                         near_goodput, near = goodput, ((depth, width), options, m)
                     if goodput > best_goodput:
@@ -319,8 +303,8 @@ class AdaptivePolicy(SpeculationPolicy):
         # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss.
         # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
-        best_shape, best_chosen = best[0], [o[2] for o in best[1][: best[2]]]
-        near_shape, near_chosen = near[0], [o[2] for o in near[1][: near[2]]]
+        best_shape, best_chosen = best[0], [i for _, _, i in best[1][: best[2]]]
+        near_shape, near_chosen = near[0], [i for _, _, i in near[1][: near[2]]]
         self._num_plans += 1
         every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
         if not best_chosen:
@@ -444,8 +428,6 @@ class AdaptivePolicy(SpeculationPolicy):
         self._pending_prediction = None
         if record.num_drafted:
             self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
-        if record.context_requests:
-            self.draft_cost.observe_context(record.context_requests, record.context_tokens, record.context_s)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)

@@ -26,15 +26,9 @@ class Drafter(ABC):
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         """One tree per request, rooted at its last token (not yet in the KV cache)."""
 
-    def unread_context(self, request: Request) -> int:
-        """Generated tokens whose target hidden states the drafter has not read yet: reading them is
-        what drafting for the request now costs beyond the draft itself (0 for drafters that keep
-        no context; the prompt, read on the first draft, is a one-time cost not counted here)."""
-        return 0
-
     def catch_up(self, requests: list[Request]) -> list[int]:
-        """Read whatever context each request's next draft needs (before `propose`, so the engine can
-        time it apart from drafting); per request, how many tokens it read (prompt included)."""
+        """Read whatever context each request's next draft needs, all requests at once (`propose` would
+        otherwise read it request by request); per request, how many tokens it read (prompt included)."""
         return [0] * len(requests)
 
     def on_verified(  # noqa: B027 - optional hook, stateless drafters ignore it

@@ -95,13 +95,6 @@ class LyannaDrafter(Drafter):
         self.states.pop(request.request_id, None)
 
     # ---- drafting -------------------------------------------------------------------------------
-    def unread_context(self, request: Request) -> int:
-        st = self.states.get(request.request_id)
-        if st is None:
-            return 0
-        end = min(len(st.hidden), request.num_tokens - 1)
-        return max(0, end - max(st.processed, request.num_prompt_tokens))
-
     def catch_up(self, requests: list[Request]) -> list[int]:
         todo = [(i, req, st) for i, req in enumerate(requests) if (st := self.states.get(req.request_id)) is not None]
         read = [0] * len(requests)

@@ -104,28 +104,6 @@ def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
     assert m.predict(2, 2, 0) == 0.0
 
 
-def test_draft_cost_model_separates_reading_context_per_request_and_per_token():
-    m = DraftCostModel()
-    assert m.predict_context(2, 40) == 0.0  # nothing read yet
-    for requests, tokens in ((1, 2), (2, 5), (1, 40), (4, 9), (2, 300)) * 10:  # 1 ms a request, 0.05 ms a token
-        m.observe_context(requests, tokens, 0.001 * requests + 0.00005 * tokens)
-    assert m.predict_context(1, 100) == pytest.approx(0.006, rel=1e-6)
-    assert m.predict_context(3, 6) == pytest.approx(0.0033, rel=1e-6)
-
-
-def test_plan_prices_the_context_a_request_left_unread():
-    """Drafting for a request first reads the tokens it generated since it last drafted: a request
-    that drafts every step has a few, one the policy left idle many; the same draft then costs more."""
-    p = flat_policy(0.010, 0.0001, 0.002)
-    p.shapes = shape_table({(d, w): (0.5, 2.0) for d in (1, 2, 3) for w in (1, 2)})
-    for requests, tokens in ((1, 2), (1, 40), (2, 5), (1, 200)) * 10:  # 0.5 ms a request, 0.1 ms a token
-        p.draft_cost.observe_context(requests, tokens, 0.0005 * requests + 0.0001 * tokens)
-    reqs, caps = [request("a"), request("b")], [SpecParams(3, 2, 6)] * 2
-    plans = p.plan(reqs, caps, 0, [2, 200])  # 20 ms to read b's context: more than its draft gains
-    assert plans[0] is not None and plans[1] is None
-    assert all(s is not None for s in p.plan(reqs, caps, 0, [2, 2]))
-
-
 def test_calibration_converges_to_observed_acceptance_by_depth():
     """Scores say 0.8 / 0.64; the target accepts depth 1 with p = 0.5 and depth 2 with p = 0.25."""
     rng = random.Random(0)
