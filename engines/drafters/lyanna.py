@@ -96,11 +96,9 @@ class LyannaDrafter(Drafter):
 
     # ---- drafting -------------------------------------------------------------------------------
     def catch_up(self, requests: list[Request]) -> list[int]:
-        todo = [(i, req, st) for i, req in enumerate(requests) if (st := self.states.get(req.request_id)) is not None]
-        read = [0] * len(requests)
-        for (i, _, _), n in zip(todo, self._advance_contexts([(req, st) for _, req, st in todo]), strict=True):
-            read[i] = n
-        return read
+        states = [self.states.get(req.request_id) for req in requests]
+        read = iter(self._advance_contexts([(req, st) for req, st in zip(requests, states, strict=True) if st]))
+        return [next(read) if st else 0 for st in states]
 
     @torch.no_grad()
     def _advance_contexts(self, items: list[tuple[Request, _State]]) -> list[int]:
@@ -120,7 +118,8 @@ class LyannaDrafter(Drafter):
         k, v = m._expand_kv(k), m._expand_kv(v)
         outs, offset = [], 0
         for _, st, start, end in todo:
-            n, rows = end - start, slice(offset, offset + end - start)
+            n = end - start
+            rows = slice(offset, offset + n)
             keys = k[rows] if st.keys is None else torch.cat([st.keys, k[rows]])
             values = v[rows] if st.values is None else torch.cat([st.values, v[rows]])
             mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=start)

@@ -107,3 +107,4 @@ def test_acceptance_and_draft_latency_clis_report_every_drafter(tmp_path):
     assert res.returncode == 0, res.stderr
     lat = json.loads(res.stdout.strip().splitlines()[-1])
     assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info_table_rows"] == 1024
+    assert lat["lyanna.catch_up_batched"] > 0 and lat["catch_up_batched_vs_one_by_one"] > 0
