@@ -16,13 +16,14 @@ order of their estimates (so a request whose drafts are unlikely gets fewer or n
 picks the drafting shape (depth, width) and the requests to draft for the same way, with the
 drafter's cost in the step time: a request's expected gain at a shape is its calibration multiplier
 times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
-per depth level and width), its cost the nodes they had verified. No request drafts when plain
-decoding has the better goodput; a request whose own multiplier fell is re-probed every
-`probe_every` steps as if average, and every `probe_every` plans the drafts go to the full shape,
-so the table stays measured (large batches on a compute-bound device stop drafting altogether but
-for one such probe every `idle_probe_every` plans); where every step drafts, every
-`probe_every`-th step does not, so the plain step time the verification overhead is measured
-against stays current.
+per depth level and width), its cost the nodes they had verified. No request drafts unless
+drafting beats plain decoding's goodput by `min_advantage` (3%: near break-even a draft has
+nothing to win and, when the prediction is optimistic, something to lose); a request whose own
+multiplier fell is re-probed every `probe_every` steps as if average, and every `probe_every`
+plans the drafts go to the full shape, so the table stays measured (large batches on a
+compute-bound device stop drafting altogether but for one such probe every `idle_probe_every`
+plans); where every step drafts, every `probe_every`-th step does not, so the plain step time
+the verification overhead is measured against stays current.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class AdaptiveSettings:
     # table stuck just below break-even recovers), seldom where it is far from paying
     probe_cost: float = 0.003
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
+    # drafting must beat plain decoding's predicted goodput by this share: a draft predicted to break
+    # even gains nothing when the prediction is right and loses when it is optimistic (step times
+    # on a busy machine swing between the measurements the models follow)
+    min_advantage: float = 0.03
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
@@ -254,7 +259,10 @@ class AdaptivePolicy(SpeculationPolicy):
         max_width = max(caps[i].width for i in adaptive)
         # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
-        plain_goodput = best_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
+        # drafting has to beat plain decoding's goodput by the minimum advantage
+        threshold = best_goodput = (
+            (1 + self.settings.min_advantage) * n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
+        )
         # The best option that pays and the best drafting option, paying or not: (shape, its options
         # ordered, how many of them draft); the request lists are built once, after the search.
         best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
@@ -300,7 +308,8 @@ class AdaptivePolicy(SpeculationPolicy):
         # full shape, so every entry of the shape table keeps being measured; while none is chosen,
         # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
         # re-tested without taxing the batches where drafting does not pay, and the best option that
-        # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss.
+        # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss
+        # (against the threshold: what it lacks to be chosen).
         # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
         best_shape, best_chosen = best[0], [i for _, _, i in best[1][: best[2]]]
@@ -309,7 +318,7 @@ class AdaptivePolicy(SpeculationPolicy):
         every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
         if not best_chosen:
             self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
-        loss = 1 - near_goodput / plain_goodput
+        loss = 1 - near_goodput / threshold
         if self._num_plans % every == 0 or not self.shapes.reach:
             best_shape = (max_depth, max_width)
             best_chosen = best_chosen or adaptive[:1]
