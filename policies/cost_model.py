@@ -19,7 +19,6 @@ corrects itself. The drafter's time is a line in the number of requests it draft
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -153,9 +152,12 @@ class TargetCostModel:
         if not self.points:
             raise ValueError("the target cost model has no measurements; profile it first")
         if self._curve is None:  # rebuilt after each new measurement, not on every prediction
-            pts = sorted(self.points.values())
-            self._curve = ([x for x, _ in pts], list(itertools.accumulate((y for _, y in pts), max)))
-        xs, ys = self._curve  # more tokens never cost less
+            buckets = sorted(self.points)
+            xs = [self.points[b][0] for b in buckets]
+            # each bucket's mean weighs as many steps as it averages (at most 1/decay)
+            weights = [min(self.counts.get(b, 1), 1 / self.decay) for b in buckets]
+            self._curve = (xs, _non_decreasing([self.points[b][1] for b in buckets], weights))
+        xs, ys = self._curve
         if tokens <= xs[0]:
             return ys[0]
         i = bisect.bisect_left(xs, tokens)
@@ -171,6 +173,21 @@ class TargetCostModel:
     def ready(self) -> bool:
         """Whether it has any measurement."""
         return bool(self.points)
+
+
+def _non_decreasing(ys: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit to `ys` (pool adjacent violators): more tokens
+    never cost less, and where two buckets disagree the one with more steps behind it moves less (a
+    few slow steps of a batch size seen rarely do not raise the estimate of the batch that runs)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, number of points]
+    for y, w in zip(ys, weights, strict=True):
+        blocks.append([w * y, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, weight, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += weight
+            blocks[-1][2] += count
+    return [total / weight for total, weight, count in blocks for _ in range(int(count))]
 
 
 @dataclass

@@ -16,9 +16,10 @@ order of their estimates (so a request whose drafts are unlikely gets fewer or n
 picks the drafting shape (depth, width) and the requests to draft for the same way, with the
 drafter's cost in the step time: a request's expected gain at a shape is its calibration multiplier
 times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
-per depth level and width), its cost the nodes they had verified. No request drafts unless
-drafting beats plain decoding's goodput by `min_advantage` (3%: near break-even a draft has
-nothing to win and, when the prediction is optimistic, something to lose); a request whose own
+per depth level and width), its cost the nodes they had verified. Drafting for a request new to
+drafting or idle for a few steps has to beat plain decoding's goodput by `min_advantage` (3%: near
+break-even such a draft has nothing to win and, its unread context unpriced, something to lose);
+drafting for requests that drafted just before has to beat it at all; a request whose own
 multiplier fell is re-probed every `probe_every` steps as if average, and every `probe_every`
 plans the drafts go to the full shape, so the table stays measured (large batches on a
 compute-bound device stop drafting altogether but for one such probe every `idle_probe_every`
@@ -116,10 +117,12 @@ class AdaptiveSettings:
     # table stuck just below break-even recovers), seldom where it is far from paying
     probe_cost: float = 0.003
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
-    # drafting must beat plain decoding's predicted goodput by this share: a draft predicted to break
-    # even gains nothing when the prediction is right and loses when it is optimistic (step times
-    # on a busy machine swing between the measurements the models follow)
+    # drafting for a request whose context the drafter has not read lately (new, or idle for a few
+    # steps) must beat plain decoding's predicted goodput by this share: a draft predicted to break
+    # even gains nothing when the prediction is right, and for such a request the prediction leaves
+    # out the reading and tends to be optimistic
     min_advantage: float = 0.03
+    warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
@@ -259,17 +262,20 @@ class AdaptivePolicy(SpeculationPolicy):
         max_width = max(caps[i].width for i in adaptive)
         # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
-        # drafting has to beat plain decoding's goodput by the minimum advantage
-        threshold = best_goodput = (
-            (1 + self.settings.min_advantage) * n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
-        )
+        plain_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
         # The best option that pays and the best drafting option, paying or not: (shape, its options
         # ordered, how many of them draft); the request lists are built once, after the search.
         best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
-        near_goodput, near = 0.0, best
+        # options are scored by goodput over the goodput they have to reach: plain decoding's, raised
+        # by `min_advantage` for the share of their requests whose context the drafter has not read
+        # lately (a request new to drafting reads its whole prompt, one idle for a while what it
+        # generated since: costs its round-time line leaves out)
+        best_score, near_score, near = 1.0, 0.0, best
         factors = {}
+        cold = {}
         for i in adaptive:
             st = states[i]
+            cold[i] = not st.history or st.idle_steps > self.settings.warm_steps
             factor = self.acceptance.request_factor(requests[i].request_id)
             probe = st.idle_steps >= self.settings.probe_every
             if st.history and probe:
@@ -291,16 +297,17 @@ class AdaptivePolicy(SpeculationPolicy):
                     if gain >= self.settings.min_gain:
                         options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
                 options.sort(key=lambda o: (-o[0] / o[1], o[2]))
-                gain = budget = 0
+                gain = budget = num_cold = 0
                 previous = 0.0
-                for m, (g, b, _) in enumerate(options, 1):
-                    gain, budget = gain + g, budget + b
+                for m, (g, b, i) in enumerate(options, 1):
+                    gain, budget, num_cold = gain + g, budget + b, num_cold + cold[i]
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
-                    if goodput > near_goodput:
-                        near_goodput, near = goodput, ((depth, width), options, m)
-                    if goodput > best_goodput:
-                        best_goodput, best = goodput, near
+                    score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
+                    if score > near_score:
+                        near_score, near = score, ((depth, width), options, m)
+                    if score > best_score:
+                        best_score, best = score, near
                     if goodput < previous:  # past the peak: requests come in falling gain per token
                         break
                     previous = goodput
@@ -309,7 +316,7 @@ class AdaptivePolicy(SpeculationPolicy):
         # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
         # re-tested without taxing the batches where drafting does not pay, and the best option that
         # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss
-        # (against the threshold: what it lacks to be chosen).
+        # (against the goodput it has to reach: what it lacks to be chosen).
         # Likewise, after `probe_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
         best_shape, best_chosen = best[0], [i for _, _, i in best[1][: best[2]]]
@@ -318,7 +325,7 @@ class AdaptivePolicy(SpeculationPolicy):
         every = self.settings.probe_every if best_chosen else self.settings.idle_probe_every
         if not best_chosen:
             self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
-        loss = 1 - near_goodput / threshold
+        loss = 1 - near_score
         if self._num_plans % every == 0 or not self.shapes.reach:
             best_shape = (max_depth, max_width)
             best_chosen = best_chosen or adaptive[:1]
