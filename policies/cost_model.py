@@ -179,15 +179,14 @@ def _non_decreasing(ys: list[float], weights: list[float]) -> list[float]:
     """The weighted least-squares non-decreasing fit to `ys` (pool adjacent violators): more tokens
     never cost less, and where two buckets disagree the one with more steps behind it moves less (a
     few slow steps of a batch size seen rarely do not raise the estimate of the batch that runs)."""
-    blocks: list[list[float]] = []  # [weighted sum, weight, number of points]
+    blocks: list[tuple[float, float, int]] = []  # (mean, weight, points pooled), means non-decreasing
     for y, w in zip(ys, weights, strict=True):
-        blocks.append([w * y, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, weight, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += weight
-            blocks[-1][2] += count
-    return [total / weight for total, weight, count in blocks for _ in range(int(count))]
+        mean, weight, count = y, w, 1
+        while blocks and blocks[-1][0] > mean:  # pool with the block before until the order holds
+            m0, w0, c0 = blocks.pop()
+            mean, weight, count = (m0 * w0 + mean * weight) / (w0 + weight), w0 + weight, c0 + count
+        blocks.append((mean, weight, count))
+    return [mean for mean, _, count in blocks for _ in range(count)]
 
 
 @dataclass
