@@ -44,6 +44,13 @@ class _TreeOverhead:
         )
         self.str_, self.skr = f * self.str_ + trees * residual, f * self.skr + tokens * residual
 
+    def reweigh(self, trees: float) -> None:
+        """Keep the fitted coefficients but let the evidence behind them count as `trees` tree steps."""
+        if self.stt > 0:
+            scale = trees / self.stt
+            self.stt, self.stk, self.skk = scale * self.stt, scale * self.stk, scale * self.skk
+            self.str_, self.skr = scale * self.str_, scale * self.skr
+
     def _det(self) -> float:
         return self.stt * self.skk - self.stk * self.stk
 

@@ -5,8 +5,13 @@ warm up and then `REPEATS` times, the fastest kept. Trees and drafter: short spe
 one and of two requests at the configured shape, with a small and the full verification budget, so
 the verification overhead of both batch buckets is fitted per tree and per draft token from the
 start (a decode before them warms up and is forgotten). A bucket fitted from a couple of noisy first
-steps instead could price drafting out at batch 1 until its rare probes corrected it. The acceptance
-statistics of these synthetic prompts are dropped.
+steps instead could price drafting out at batch 1 until its rare probes corrected it. Plain decodes of
+one and two requests run just before the trees, so the overhead is measured against typical decode
+steps of the same batch (measured against the fastest prefill of one token, a tree step's ordinary
+noise and its context counted as verification cost: two start-ups priced a batch-1 tree at 0 and at
+14 ms, where online steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so
+the first real tree steps soon rule. The acceptance statistics of these
+synthetic prompts are dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 MAX_PROFILE_TOKENS = 256
 REPEATS = 3  # timed runs per size; one slow run on a noisy machine must not set a bucket
 TREE_STEPS = 6  # tokens per speculative decode (the synthetic prompts accept almost nothing: ~one per step)
+TREE_WEIGHT = 2.0  # steps the profile's tree fit of a batch bucket weighs once online tree steps come in
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: SpecParams) -> None:
@@ -60,9 +66,13 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     policy.draft_cost = DraftCostModel()
     for n, seconds in fastest.items():
         policy.target_cost.observe(n, seconds)
+    for batch in (1, 2):  # plain decode steps of the batches whose tree overhead is measured next
+        _run(engine, prompts[:batch], TREE_STEPS, no_spec)
     for budget in sorted({max(1, full.budget // 4), full.budget}):
         for batch in (1, 2):
             _run(engine, prompts[:batch], TREE_STEPS, dataclasses.replace(full, budget=budget))
+    for fit in policy.target_cost.trees.values():
+        fit.reweigh(TREE_WEIGHT)
     policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
     policy.shapes = ShapeTable()
     policy.requests.clear()

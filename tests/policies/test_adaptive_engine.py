@@ -7,6 +7,7 @@ import pytest
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
+from policies.profiling import TREE_WEIGHT
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -17,6 +18,7 @@ def test_adaptive_greedy_output_equals_the_target_alone(engine_fp32):
     policy = adaptive.policy
     assert policy.target_cost.ready and policy.draft_cost.ready  # the start-up profile ran
     assert set(policy.target_cost.trees) == {1, 2}  # tree steps at batch 1 and 2 were profiled too
+    assert all(fit.stt == pytest.approx(TREE_WEIGHT) for fit in policy.target_cost.trees.values())
     params = SamplingParams(temperature=0, max_tokens=32)
     for _ in range(2):  # the second round runs on what the first taught it
         ours = adaptive.generate(CHAT_PROMPTS, params)

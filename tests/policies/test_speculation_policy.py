@@ -56,6 +56,25 @@ def test_tree_overhead_separates_per_tree_and_per_draft_token_costs():
     assert m.predict(4 + 18, num_trees=2, num_draft_tokens=18) == pytest.approx(0.010 + 0.006 + 0.009)
 
 
+def test_a_reweighed_tree_fit_keeps_its_costs_and_yields_to_the_steps_that_follow():
+    """The profile's tree steps weigh a couple of steps: its prices hold until real tree steps come."""
+
+    def fitted(reweigh: bool) -> tuple[float, float]:
+        m = TargetCostModel()
+        m.observe(1, 0.030)
+        for tokens in (1, 4) * 10:  # the profile: 6 ms a tree, 1 ms a draft token
+            m.observe(1 + tokens, 0.030 + 0.006 + 0.001 * tokens, 1, tokens)
+        before = m.overhead(1)
+        if reweigh:
+            m.trees[1].reweigh(2.0)
+            assert m.trees[1].coefficients() == pytest.approx(before)
+        for tokens in (1, 4) * 3:  # online: 1 ms a tree
+            m.observe(1 + tokens, 0.030 + 0.001 + 0.001 * tokens, 1, tokens)
+        return m.overhead(1)
+
+    assert fitted(reweigh=True)[0] < 0.0025 < 0.004 < fitted(reweigh=False)[0]
+
+
 def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
     """The profile's points above one token can be stale (a batch size the engine never runs plain):
     a verified draft token costs what tree steps cost over the plain steps the engine does run, and
