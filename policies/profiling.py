@@ -10,8 +10,7 @@ one and two requests run just before the trees, so the overhead is measured agai
 steps of the same batch (measured against the fastest prefill of one token, a tree step's ordinary
 noise and its context counted as verification cost: two start-ups priced a batch-1 tree at 0 and at
 14 ms, where online steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so
-the first real tree steps soon rule. The acceptance statistics of these
-synthetic prompts are dropped.
+the first real tree steps soon rule. The acceptance statistics of these synthetic prompts are dropped.
 """
 
 from __future__ import annotations
