@@ -98,9 +98,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
-    """The engine settings of a configuration name (without its tree); `NAME@adaptive` runs NAME under
-    the adaptive speculation policy, its tree as the caps."""
+def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> EngineConfig:
+    """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
+    adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
+    as in serving, where the configured tree is the caps)."""
     variant, _, policy = variant.partition("@")
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
@@ -111,6 +112,7 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=max(args.batch_size, 1),
         drafter=drafter,
         draft_model=checkpoint,
+        spec=spec,
         spec_policy=policy or "fixed",
         **overrides,
     )
@@ -164,9 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = [parse_config(c, args) for c in (args.compare or args.drafter).split(",")]
     names = (args.compare or args.drafter).split(",")
     engines: dict[str, LLMEngine] = {}
-    for variant, _ in configs:
+    for variant, spec in configs:
         if variant not in engines:
-            engines[variant] = LLMEngine(engine_config(variant, args))
+            engines[variant] = LLMEngine(engine_config(variant, args, spec))
     first = next(iter(engines.values()))
     prompts = [first.tokenizer.apply_chat_template(r["messages"]) for r in records]
     ignore_eos = args.ignore_eos or args.compare_hf

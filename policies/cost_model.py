@@ -235,8 +235,10 @@ class DraftCostModel:
         self.lines.setdefault((depth, width), _Line()).add(num_requests, seconds)
 
     def predict(self, depth: int, width: int, num_requests: int) -> float:
-        """Seconds for a round; an unmeasured shape is scaled from the nearest measured depth
-        (drafting is one layer forward and one tree level per depth)."""
+        """Seconds for a round. An unmeasured shape is priced from the nearest measured one: per depth
+        level (a drafter forward and a tree level each), and by its share of the width where it is
+        narrower. That errs cheap, never dear: a shape priced too cheap is drafted once and then
+        measured, one priced too dear would never be (the allocation only drafts what looks worth it)."""
         if num_requests == 0:
             return 0.0
         line = self.lines.get((depth, width))
@@ -244,8 +246,8 @@ class DraftCostModel:
             return line.predict(num_requests)
         if not self.lines:
             return 0.0
-        (d, _w), near = min(self.lines.items(), key=lambda kv: (abs(kv[0][0] - depth), abs(kv[0][1] - width)))
-        return near.predict(num_requests) * depth / d
+        (d, w), near = min(self.lines.items(), key=lambda kv: (abs(kv[0][0] - depth), abs(kv[0][1] - width)))
+        return near.predict(num_requests) * depth / d * min(1.0, width / w)
 
     @property
     def ready(self) -> bool:

@@ -2,11 +2,14 @@
 
 Target: prefill steps of 1, 2, 4, ... tokens (one request each, no speculation), each size once to
 warm up and then `REPEATS` times, the fastest kept. Trees and drafter: short speculative decodes of
-one and of two requests at the configured shape, with a small and the full verification budget, so
-the verification overhead of both batch buckets is fitted per tree and per draft token from the
-start (a decode before them warms up and is forgotten). A bucket fitted from a couple of noisy first
-steps instead could price drafting out at batch 1 until its rare probes corrected it. Plain decodes of
-one and two requests run just before the trees, so the overhead is measured against typical decode
+1, 2, 4 and 8 requests (`TREE_BATCHES`, as many as the engine runs at once) at the configured shape,
+with a small and the full verification budget, so the verification overhead of each of these batch
+buckets is fitted per tree and per draft token from the start (a decode before them warms up and is
+forgotten). A bucket fitted from its first few online tree steps instead is priced by steps that
+are noisy and slow (a new token count's first forward costs a few ms more on a CPU), and a high first
+price stops drafting there until rare probes correct it: two runs at batch 4 drafted in 332 and in 3
+of ~550 steps, as their first tree steps fell. Plain decodes of the same batches run just before the
+trees, so the overhead is measured against typical decode
 steps of the same batch (measured against the fastest prefill of one token, a tree step's ordinary
 noise and its context counted as verification cost: two start-ups priced a batch-1 tree at 0 and at
 14 ms, where online steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 MAX_PROFILE_TOKENS = 256
 REPEATS = 3  # timed runs per size; one slow run on a noisy machine must not set a bucket
 TREE_STEPS = 6  # tokens per speculative decode (the synthetic prompts accept almost nothing: ~one per step)
+TREE_BATCHES = (1, 2, 4, 8)  # batch sizes whose tree overhead is profiled (up to the engine's max_num_seqs)
 TREE_WEIGHT = 2.0  # steps the profile's tree fit of a batch bucket weighs once online tree steps come in
 
 
@@ -58,17 +62,18 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
             _run(engine, [[rng.randrange(vocab) for _ in range(n)]], 1, no_spec)
             if rep:
                 fastest[n] = min(fastest.get(n, float("inf")), time.perf_counter() - start)
-    prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(2)]
+    batches = [b for b in TREE_BATCHES if b <= engine.config.max_num_seqs]
+    prompts = [[rng.randrange(vocab) for _ in range(min(64, limit))] for _ in range(batches[-1])]
     full = dataclasses.replace(engine.config.spec, fixed=True)  # the drafter at its full shape
     _run(engine, prompts[:1], 4, full)  # warms the tree steps up
     policy.target_cost.reset()  # the steps above also reported themselves, warm-ups included
     policy.draft_cost = DraftCostModel()
     for n, seconds in fastest.items():
         policy.target_cost.observe(n, seconds)
-    for batch in (1, 2):  # plain decode steps of the batches whose tree overhead is measured next
+    for batch in batches:  # plain decode steps of the batches whose tree overhead is measured next
         _run(engine, prompts[:batch], TREE_STEPS, no_spec)
     for budget in sorted({max(1, full.budget // 4), full.budget}):
-        for batch in (1, 2):
+        for batch in batches:
             _run(engine, prompts[:batch], TREE_STEPS, dataclasses.replace(full, budget=budget))
     for fit in policy.target_cost.trees.values():
         fit.reweigh(TREE_WEIGHT)

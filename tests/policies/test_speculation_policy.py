@@ -138,12 +138,16 @@ def test_a_profiled_point_weighs_one_step():
     assert m.predict(1) == pytest.approx(0.056, rel=0.08)
 
 
-def test_draft_cost_model_fits_a_line_and_scales_unseen_depths():
+def test_draft_cost_model_fits_a_line_and_scales_unseen_shapes_cheap():
     m = DraftCostModel()
     for n in (1, 2, 4, 8) * 5:
         m.observe(2, 2, n, 0.004 + 0.001 * n)
     assert m.predict(2, 2, 16) == pytest.approx(0.020, rel=1e-6)
     assert m.predict(4, 2, 16) == pytest.approx(0.040, rel=1e-6)  # twice as deep: twice the rounds
+    assert m.predict(2, 1, 16) == pytest.approx(0.010, rel=1e-6)  # half as wide: no dearer than half
+    assert m.predict(2, 4, 16) == pytest.approx(0.020, rel=1e-6)  # wider: not dearer until measured
+    m.observe(2, 1, 16, 0.018)  # one round of the narrow shape and it is priced by what it cost
+    assert m.predict(2, 1, 16) == pytest.approx(0.018, rel=1e-6)
     assert m.predict(2, 2, 0) == 0.0
 
 
@@ -195,7 +199,7 @@ def flat_policy(step_s: float, per_token_s: float, draft_s: float) -> AdaptivePo
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         p.target_cost.observe(tokens, step_s + per_token_s * tokens)
     for n in (1, 2, 4, 8, 16, 32):
-        p.draft_cost.observe(3, 2, n, draft_s)
+        p.draft_cost.observe(3, 1, n, draft_s)  # narrowest: wider shapes are not priced dearer
     return p
 
 
