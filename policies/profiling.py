@@ -5,15 +5,15 @@ warm up and then `REPEATS` times, the fastest kept. Trees and drafter: short spe
 1, 2, 4 and 8 requests (`TREE_BATCHES`, as many as the engine runs at once) at the configured shape,
 with a small and the full verification budget, so the verification overhead of each of these batch
 buckets is fitted per tree and per draft token from the start (a decode before them warms up and is
-forgotten). A bucket fitted from its first few online tree steps instead is priced by steps that
-are noisy and slow (a new token count's first forward costs a few ms more on a CPU), and a high first
-price stops drafting there until rare probes correct it: two runs at batch 4 drafted in 332 and in 3
-of ~550 steps, as their first tree steps fell. Plain decodes of the same batches run just before the
-trees, so the overhead is measured against typical decode
-steps of the same batch (measured against the fastest prefill of one token, a tree step's ordinary
-noise and its context counted as verification cost: two start-ups priced a batch-1 tree at 0 and at
-14 ms, where online steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so
-the first real tree steps soon rule. The acceptance statistics of these synthetic prompts are dropped.
+forgotten). A bucket fitted from its first few online tree steps instead is priced by steps that are
+noisy and slow (a new token count's first forward costs a few ms more on a CPU), and a high first
+price stops drafting there until rare probes correct it: two greedy runs at batch 4 drafted in 332
+of 544 and in 3 of 336 steps, as their first tree steps fell. Plain decodes of the same batches run
+just before the trees, so the overhead is measured against typical decode steps of the same batch
+(measured against the fastest prefill of one token, a tree step's ordinary noise and its context
+counted as verification cost: two start-ups priced a batch-1 tree at 0 and at 14 ms, where online
+steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so the first real tree
+steps soon rule. The acceptance statistics of these synthetic prompts are dropped.
 """
 
 from __future__ import annotations
