@@ -104,3 +104,9 @@ def paged_attention(
     if meta.query_rows is not None:
         out = out.index_select(0, meta.query_rows)  # drop padding, back to the flat token order
     return out
+
+
+def attention_keys(spans: list[tuple[int, int]]) -> int:
+    """Keys a step's attention reads, for sequences given as (cached tokens, new tokens): the padded
+    batch `paged_attention` runs, sequences × the longest one's keys (0 for no sequence)."""
+    return len(spans) * max((cached + new for cached, new in spans), default=0)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engines.attention import attention_keys
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
 from engines.errors import ContextLengthError, InvalidRequestError
@@ -306,6 +307,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        record.num_context = attention_keys(
+            [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
+        )
         outputs = self._forward(sched)
         record.num_tokens, record.target_s = sched.num_tokens, time.perf_counter() - start
         trees = [s.draft for s in sched.scheduled if s.draft is not None]
@@ -345,9 +349,10 @@ class LLMEngine:
     def _propose_drafts(self, record: StepRecord) -> None:
         """Draft for the decoding requests that speculate, as the policy plans, within each request's
         limits; keep the subtrees the policy allocates verification to."""
-        reqs, caps, other_tokens = [], [], 0
+        reqs, caps, other_tokens, spans = [], [], 0, []
         for req in self.scheduler.running:
             todo = req.num_tokens - req.num_computed_tokens
+            spans.append((req.num_computed_tokens, todo))
             # Leave room for the bonus token within max_tokens (admission already made
             # prompt + max_tokens fit the context, so this bounds positions too).
             depth = min(req.spec.depth, req.max_tokens - len(req.output_token_ids) - 1) if req.spec else 0
@@ -358,7 +363,7 @@ class LLMEngine:
                 other_tokens += todo
         if not reqs:
             return
-        plans = self.policy.plan(reqs, caps, other_tokens)
+        plans = self.policy.plan(reqs, caps, other_tokens, attention_keys(spans))
         drafting = [r for r, p in zip(reqs, plans, strict=True) if p is not None]
         specs = [p for p in plans if p is not None]
         if not drafting:

@@ -83,13 +83,18 @@ class _TreeOverhead:
 class TargetCostModel:
     """Predicted seconds of one target forward (with sampling and verification) over `tokens` tokens."""
 
-    # power-of-two bucket of the token count -> (mean tokens, mean seconds), both moving averages
-    points: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # power-of-two bucket of the token count -> (mean tokens, mean seconds, mean context), moving averages
+    points: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)  # observations per bucket
     decay: float = 0.05  # weight of a new observation once a bucket has 1/decay of them (a running mean before)
+    # seconds per context key: a plain step's time over its bucket's mean against its context over the
+    # bucket's mean context, least squares through the origin with forgetting
+    context_forget: float = 0.995
+    _sxx: float = 0.0
+    _sxy: float = 0.0
     # power-of-two bucket of a tree step's plain tokens -> what its trees add
     trees: dict[int, _TreeOverhead] = field(default_factory=dict)
-    _curve: tuple[list[float], list[float]] | None = field(default=None, repr=False)
+    _curve: tuple[list[float], list[float], list[float]] | None = field(default=None, repr=False)
     # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
     _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
@@ -98,40 +103,57 @@ class TargetCostModel:
         """Observations are pooled in power-of-two buckets of the token count."""
         return 1 << max(0, (max(1, tokens) - 1).bit_length())
 
-    def observe(self, tokens: int, seconds: float, num_trees: int = 0, num_draft_tokens: int = 0) -> None:
+    def observe(
+        self, tokens: int, seconds: float, num_trees: int = 0, num_draft_tokens: int = 0, context: int | None = None
+    ) -> None:
         """Fold one measured step in: plain steps into their bucket, steps that verified trees into the
-        tree overhead (what they cost beyond the plain step of the same batch)."""
+        tree overhead (what they cost beyond the plain step of the same batch and context). `context`
+        is the step's attention keys (None: unknown, taken as its bucket's mean)."""
         if num_trees:
             if self.points:
                 base = tokens - num_draft_tokens
                 overhead = self.trees.setdefault(self.bucket(base), _TreeOverhead())
-                overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base))
+                overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base, context))
                 self._overheads.clear()
             return
         self._curve = None
         b = self.bucket(tokens)
-        old = self.points.get(b, (0.0, 0.0))
+        old = self.points.get(b)
+        if context is None:
+            context = round(old[2]) if old else 0
+        if old is not None and self.counts[b] >= 1 / self.decay:  # a settled bucket: its spread in context
+            f, dx = self.context_forget, context - old[2]
+            self._sxx, self._sxy = f * self._sxx + dx * dx, f * self._sxy + dx * (seconds - old[1])
+        old = old or (0.0, 0.0, 0.0)
         self.counts[b] = self.counts.get(b, 0) + 1
         d = max(self.decay, 1 / self.counts[b])  # a profiled point weighs one step: online data soon rules
-        self.points[b] = ((1 - d) * old[0] + d * tokens, (1 - d) * old[1] + d * seconds)
+        self.points[b] = tuple((1 - d) * o + d * x for o, x in zip(old, (tokens, seconds, context), strict=True))
+
+    @property
+    def context_slope(self) -> float:
+        """Seconds a plain step costs per attention key beyond its bucket's mean context (0 until plain
+        steps of one token count have differed in context)."""
+        return max(0.0, self._sxy / self._sxx) if self._sxx > 0 else 0.0
 
     def reset(self) -> None:
         """Forget every measurement (a fresh profile follows)."""
         self.points.clear()
         self.counts.clear()
+        self._sxx = self._sxy = 0.0
         self.trees.clear()
         self._curve = None
         self._overheads.clear()
 
-    def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0) -> float:
+    def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0, context: int | None = None) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding
-        `num_draft_tokens` draft tokens."""
+        `num_draft_tokens` draft tokens, over `context` attention keys of its plain step (None: the
+        context plain steps of that size had lately)."""
         base = tokens - num_draft_tokens
         overhead = self.overhead(base) if num_trees else None
         if overhead is None:  # no tree step measured yet: draft tokens cost what the curve says
-            return self._plain(tokens)
+            return self._plain(tokens, context)
         per_tree, per_token = overhead
-        return self._plain(base) + per_tree * num_trees + per_token * num_draft_tokens
+        return self._plain(base, context) + per_tree * num_trees + per_token * num_draft_tokens
 
     def overhead(self, base_tokens: int) -> tuple[float, float] | None:
         """(seconds per tree, seconds per draft token) that verifying adds to a plain step of
@@ -153,9 +175,10 @@ class TargetCostModel:
             self._overheads[b] = fit.coefficients(split)
         return self._overheads[b]
 
-    def _plain(self, tokens: int) -> float:
+    def _plain(self, tokens: int, context: int | None = None) -> float:
         """A plain step: interpolated between the buckets' means (made non-decreasing), extrapolated
-        along the last segment past them, flat below the smallest."""
+        along the last segment past them, flat below the smallest; then moved by the context slope for
+        a context other than those buckets' mean (at most down to a quarter)."""
         if not self.points:
             raise ValueError("the target cost model has no measurements; profile it first")
         if self._curve is None:  # rebuilt after each new measurement, not on every prediction
@@ -163,23 +186,36 @@ class TargetCostModel:
             xs = [self.points[b][0] for b in buckets]
             # each bucket's mean weighs as many steps as it averages (at most 1/decay)
             weights = [min(self.counts.get(b, 1), 1 / self.decay) for b in buckets]
-            self._curve = (xs, _non_decreasing([self.points[b][1] for b in buckets], weights))
-        xs, ys = self._curve
-        if tokens <= xs[0]:
-            return ys[0]
-        i = bisect.bisect_left(xs, tokens)
-        if i == len(xs):
-            if len(xs) == 1:
-                return ys[0] * tokens / xs[0]
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            return ys[-1] + slope * (tokens - xs[-1])
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+            ys = _non_decreasing([self.points[b][1] for b in buckets], weights)
+            self._curve = (xs, ys, [self.points[b][2] for b in buckets])
+        xs, ys, contexts = self._curve
+        seconds = _interpolate(xs, ys, tokens)
+        if context is None or not self._sxx:
+            return seconds
+        shift = self.context_slope * (context - _interpolate(xs, contexts, tokens, extend=False))
+        return max(0.25 * seconds, seconds + shift)
 
     @property
     def ready(self) -> bool:
         """Whether it has any measurement."""
         return bool(self.points)
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float, extend: bool = True) -> float:
+    """Piecewise-linear through (xs, ys), flat below the first point; past the last, along the last
+    segment (rising only: a step never gets cheaper with more tokens) or, with `extend` off, flat."""
+    if x <= xs[0]:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i == len(xs):
+        if not extend:
+            return ys[-1]
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        return ys[-1] + slope * (x - xs[-1])
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def _non_decreasing(ys: list[float], weights: list[float]) -> list[float]:

@@ -69,7 +69,7 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     policy.target_cost.reset()  # the steps above also reported themselves, warm-ups included
     policy.draft_cost = DraftCostModel()
     for n, seconds in fastest.items():
-        policy.target_cost.observe(n, seconds)
+        policy.target_cost.observe(n, seconds, context=n)  # one sequence: its own n keys
     for batch in batches:  # plain decode steps of the batches whose tree overhead is measured next
         _run(engine, prompts[:batch], TREE_STEPS, no_spec)
     for budget in sorted({max(1, full.budget // 4), full.budget}):

@@ -53,6 +53,7 @@ class StepRecord:
     num_drafted: int = 0  # requests the drafter drafted for
     num_trees: int = 0  # requests that verified a tree in the target forward
     num_draft_tokens: int = 0  # draft tokens in those trees
+    num_context: int | None = None  # attention keys the target forward read (None: not known)
 
 
 class SpeculationPolicy(ABC):
@@ -61,9 +62,12 @@ class SpeculationPolicy(ABC):
     name: str = "policy"
 
     @abstractmethod
-    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+    def plan(
+        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+    ) -> list[SpecParams | None]:
         """Per decoding request: the tree to draft (within its caps), or None for no draft this step.
-        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks)."""
+        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks);
+        `context` the attention keys its plain forward would read (None: not known)."""
 
     @abstractmethod
     def allocate(
@@ -90,7 +94,9 @@ class FixedPolicy(SpeculationPolicy):
 
     name = "fixed"
 
-    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+    def plan(
+        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+    ) -> list[SpecParams | None]:
         return list(caps)
 
     def allocate(
@@ -234,6 +240,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _pending_prediction: float | None = None
     _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
     _step_other_tokens: int = 0
+    _step_context: int | None = None
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
     _plans_since_plain: int = 0
@@ -241,9 +248,11 @@ class AdaptivePolicy(SpeculationPolicy):
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
 
     # ---- drafting ---------------------------------------------------------------------------------
-    def plan(self, requests: list[Request], caps: list[SpecParams], other_tokens: int) -> list[SpecParams | None]:
+    def plan(
+        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+    ) -> list[SpecParams | None]:
         n = len(requests)
-        self._step_decoders, self._step_other_tokens = n, other_tokens
+        self._step_decoders, self._step_other_tokens, self._step_context = n, other_tokens, context
         self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
         if not self.target_cost.ready:
             return list(caps)
@@ -262,7 +271,7 @@ class AdaptivePolicy(SpeculationPolicy):
         max_width = max(caps[i].width for i in adaptive)
         # For each drafting shape, the requests worth drafting for (best expected gain per verified
         # token first) and the goodput of drafting for them, drafter time included; keep the best.
-        plain_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens)
+        plain_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens, context)
         # The best option that pays and the best drafting option, paying or not: (shape, its options
         # ordered, how many of them draft); the request lists are built once, after the search.
         best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
@@ -301,7 +310,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 previous = 0.0
                 for m, (g, b, i) in enumerate(options, 1):
                     gain, budget, num_cold = gain + g, budget + b, num_cold + cold[i]
-                    step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget)
+                    step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
                     goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
                     score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
                     if score > near_score:
@@ -393,7 +402,9 @@ class AdaptivePolicy(SpeculationPolicy):
         self.last_depth = sum(depths) / len(depths) if depths else 0.0
         self.last_width = sum(widths) / len(widths) if widths else 0.0
         self.last_budget = sum(budgets) / len(budgets) if budgets else 0.0
-        self._pending_prediction = self.target_cost.predict(base + k, fixed_trees + len(budgets), fixed_tokens + k)
+        self._pending_prediction = self.target_cost.predict(
+            base + k, fixed_trees + len(budgets), fixed_tokens + k, self._step_context
+        )
         return out
 
     def _best_count(
@@ -424,7 +435,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 if j not in counted:
                     counted.add(j)
                     trees += 1
-            t = self.target_cost.predict(base + k, trees, fixed_tokens + k)
+            t = self.target_cost.predict(base + k, trees, fixed_tokens + k, self._step_context)
             violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
             if violation <= 1.0:
                 g = (n + total) / t
@@ -437,7 +448,9 @@ class AdaptivePolicy(SpeculationPolicy):
     # ---- learning ---------------------------------------------------------------------------------
     def observe_step(self, record: StepRecord) -> None:
         if record.num_tokens:
-            self.target_cost.observe(record.num_tokens, record.target_s, record.num_trees, record.num_draft_tokens)
+            self.target_cost.observe(
+                record.num_tokens, record.target_s, record.num_trees, record.num_draft_tokens, record.num_context
+            )
             if self._pending_prediction is not None:  # a step the policy sized: prediction vs outcome
                 self.predicted_step_s.add(self._pending_prediction)
                 self.observed_step_s.add(record.target_s)

@@ -90,7 +90,7 @@ def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
     assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-6)
     assert m.predict(1 + 4, 1, 4) == pytest.approx(0.032, rel=1e-6)  # batch 1 keeps its own
     assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(16) + 0.004, rel=1e-6)  # unmeasured: the nearest
-    assert TargetCostModel(points={8: (8.0, 0.01), 16: (16.0, 0.02)}).predict(12, 1, 4) == pytest.approx(0.015)
+    assert TargetCostModel(points={8: (8.0, 0.01, 0.0), 16: (16.0, 0.02, 0.0)}).predict(12, 1, 4) == pytest.approx(0.015)
 
 
 def test_a_bucket_measured_by_one_kind_of_tree_splits_its_cost_like_its_neighbour():
@@ -108,7 +108,7 @@ def test_a_bucket_measured_by_one_kind_of_tree_splits_its_cost_like_its_neighbou
     assert per_tree + 16 * per_token == pytest.approx(0.020)  # what was measured holds
     assert per_tree / per_token == pytest.approx(0.002 / 0.0005)  # split as at batch 1
     assert m.predict(33, 1, 1) == pytest.approx(0.050 + 0.020 * (0.002 + 0.0005) / (0.002 + 16 * 0.0005))
-    alone = TargetCostModel(points={32: (32.0, 0.05)})
+    alone = TargetCostModel(points={32: (32.0, 0.05, 0.0)})
     alone.observe(48, 0.070, 1, 16)  # nothing to split by: all on the tree
     assert alone.overhead(32) == pytest.approx((0.020, 0.0))
 
@@ -127,6 +127,29 @@ def test_a_rarely_seen_batch_size_does_not_raise_the_plain_step_of_the_batch_tha
     assert m.predict(4) == pytest.approx(pooled)
     assert m.predict(2) == pytest.approx(pooled)
     assert m.predict(4) < 0.033
+
+
+def test_a_plain_step_is_priced_by_its_context_and_so_is_what_trees_add():
+    """Steps of 4 requests cost 30 ms + 20 us per attention key: waves of short prompts (400 keys)
+    and of one long prompt (1,800 keys, padded) alternate. The model learns the slope, prices each
+    step by its context, and measures a tree's overhead against the plain step of that context (2 ms
+    in either wave), not against the average step, which would call the long wave's trees free and
+    the short wave's dear."""
+    m = TargetCostModel()
+    m.observe(4, 0.030, context=4)  # the profile: one prefill, little context
+    for wave in range(8):
+        context = 400 if wave % 2 else 1800
+        for step in range(40):
+            m.observe(4, 0.030 + 2e-5 * (context + step * 4), context=context + step * 4)
+    assert m.context_slope == pytest.approx(2e-5, rel=0.05)
+    assert m.predict(4, context=500) == pytest.approx(0.040, rel=0.03)
+    assert m.predict(4, context=2000) == pytest.approx(0.070, rel=0.03)
+    for context in (400, 2000) * 20:
+        m.observe(4 + 4, 0.030 + 2e-5 * context + 0.002, 1, 4, context=context)
+    assert m.overhead(4)[0] + 4 * m.overhead(4)[1] == pytest.approx(0.002, rel=0.1)
+    assert m.predict(4 + 4, 1, 4, context=2000) == pytest.approx(0.072, rel=0.03)
+    unknown = m.predict(4)  # no context given: the recent mean's
+    assert m.predict(4, context=400) < unknown < m.predict(4, context=2000)
 
 
 def test_a_profiled_point_weighs_one_step():
