@@ -90,7 +90,8 @@ def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
     assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-6)
     assert m.predict(1 + 4, 1, 4) == pytest.approx(0.032, rel=1e-6)  # batch 1 keeps its own
     assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(16) + 0.004, rel=1e-6)  # unmeasured: the nearest
-    assert TargetCostModel(points={8: (8.0, 0.01, 0.0), 16: (16.0, 0.02, 0.0)}).predict(12, 1, 4) == pytest.approx(0.015)
+    two_points = TargetCostModel(points={8: (8.0, 0.01, 0.0), 16: (16.0, 0.02, 0.0)})
+    assert two_points.predict(12, 1, 4) == pytest.approx(0.015)
 
 
 def test_a_bucket_measured_by_one_kind_of_tree_splits_its_cost_like_its_neighbour():
