@@ -25,10 +25,15 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight ([out, in]) in oneDNN's layout, or None where packing does not apply."""
+    """The weight ([out, in]) in oneDNN's layout, or None where packing does not apply (then the
+    plain path runs), including a CPU without the dtype's oneDNN kernels (fp16 needs AVX512-FP16 or
+    AVX-NE-CONVERT)."""
     if not can_prepack(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    except RuntimeError:
+        return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
