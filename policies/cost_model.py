@@ -10,7 +10,11 @@ one kind of tree, such as the idle probe of a batch where drafting does not pay,
 cost between tree and token as the nearest bucket with both does). The engine runs
 plain steps of its batch sizes all the time, so the overhead is measured against a current
 baseline, not against profiled points it may never revisit (a prefill of N tokens is not a decode
-step of N requests). The curve is seeded by a start-up profile; both follow the times observed
+step of N requests). A plain step is also moved by its attention context (the keys its attention
+reads), at a slope per key fitted from how plain steps of one token count differ in context: a
+decode step of four requests, one of them 900 tokens deep, costs twice what four short ones do, and
+an average over contexts would misprice both the step and what trees add to it. The curve is seeded
+by a start-up profile; both follow the times observed
 online (exponential moving averages), so a model that was profiled cold or on a busy machine
 corrects itself. The drafter's time is a line in the number of requests it drafts for, one line per
 (depth, width), fitted online by least squares with forgetting.
