@@ -194,9 +194,10 @@ class TargetCostModel:
             self._curve = (xs, ys, [self.points[b][2] for b in buckets])
         xs, ys, contexts = self._curve
         seconds = _interpolate(xs, ys, tokens)
-        if context is None or not self._sxx:
+        slope = self.context_slope
+        if context is None or slope == 0:
             return seconds
-        shift = self.context_slope * (context - _interpolate(xs, contexts, tokens, extend=False))
+        shift = slope * (context - _interpolate(xs, contexts, tokens, extend=False))
         return max(0.25 * seconds, seconds + shift)
 
     @property
