@@ -369,7 +369,9 @@ class LLMEngine:
         if not drafting:
             return
         start = time.perf_counter()
-        self.drafter.catch_up(drafting)  # all requests' unread context in one pass
+        record.num_read = sum(self.drafter.catch_up(drafting))  # all requests' unread context in one pass
+        record.read_s = time.perf_counter() - start
+        start = time.perf_counter()
         trees = self.drafter.propose(drafting, specs)
         record.draft_s = time.perf_counter() - start
         record.num_drafted = len(drafting)

@@ -267,13 +267,26 @@ class _Line:
 
 @dataclass
 class DraftCostModel:
-    """Predicted seconds of one drafting round for `num_requests` requests with trees `depth` x `width`."""
+    """Predicted seconds of one drafting round for `num_requests` requests with trees `depth` x `width`,
+    and of the drafter reading `tokens` of context before it (the tokens since a request last drafted;
+    a request new to drafting reads its whole prompt). The two are timed apart: a round's time does
+    not depend on how much context came before it, and a shape first drafted for requests with long
+    unread prompts must not look dear for good."""
 
     lines: dict[tuple[int, int], _Line] = field(default_factory=dict)
+    reading: _Line = field(default_factory=lambda: _Line(forget=0.99))
 
     def observe(self, depth: int, width: int, num_requests: int, seconds: float) -> None:
         """Fold one measured drafting round in."""
         self.lines.setdefault((depth, width), _Line()).add(num_requests, seconds)
+
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        """Fold one measured context reading in (all drafted requests' unread tokens at once)."""
+        self.reading.add(tokens, seconds)
+
+    def predict_reading(self, tokens: float) -> float:
+        """Seconds to read that many context tokens (0 for none, or before any reading was measured)."""
+        return self.reading.predict(tokens) if tokens > 0 and self.reading.n else 0.0
 
     def predict(self, depth: int, width: int, num_requests: int) -> float:
         """Seconds for a round. An unmeasured shape is priced from the nearest measured one: per depth

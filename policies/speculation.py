@@ -16,9 +16,12 @@ order of their estimates (so a request whose drafts are unlikely gets fewer or n
 picks the drafting shape (depth, width) and the requests to draft for the same way, with the
 drafter's cost in the step time: a request's expected gain at a shape is its calibration multiplier
 times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
-per depth level and width), its cost the nodes they had verified. Drafting for a request new to
-drafting or idle for a few steps has to beat plain decoding's goodput by `min_advantage` (3%: near
-break-even such a draft has nothing to win and, its unread context unpriced, something to lose);
+per depth level and width), its cost the nodes they had verified and the drafter's time: its
+round, and its reading of the context each request gained since it last drafted (a request new to
+drafting reads its whole prompt, once: that reading is spread over the steps it has left). Drafting
+for a request new to drafting or idle for a few steps has to beat plain decoding's goodput by
+`min_advantage` (3%: near break-even such a draft has nothing to win and, its reading's share a
+guess, something to lose);
 drafting for requests that drafted just before has to beat it at all; a request whose own
 multiplier fell is re-probed every `probe_every` steps as if average, and every `probe_every`
 plans the drafts go to the full shape, so the table stays measured (large batches on a
@@ -47,7 +50,9 @@ class StepRecord:
 
     num_tokens: int
     target_s: float
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # the drafting rounds (`propose`)
+    read_s: float = 0.0  # the drafter reading the drafted requests' unread context (`catch_up`)
+    num_read: int = 0  # context tokens it read
     draft_depth: int = 0
     draft_width: int = 0
     num_drafted: int = 0  # requests the drafter drafted for
@@ -125,8 +130,8 @@ class AdaptiveSettings:
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
     # drafting for a request whose context the drafter has not read lately (new, or idle for a few
     # steps) must beat plain decoding's predicted goodput by this share: a draft predicted to break
-    # even gains nothing when the prediction is right, and for such a request the prediction leaves
-    # out the reading and tends to be optimistic
+    # even gains nothing when the prediction is right, and for such a request the prediction spreads
+    # the reading over steps it may not draft in, so it tends to be optimistic
     min_advantage: float = 0.03
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
@@ -134,12 +139,14 @@ class AdaptiveSettings:
 
 
 _PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of a shape never drafted (optimism: it gets tried)
+_TOKENS_PER_DRAFT_STEP = 2.0  # tokens a drafted step emits, for spreading a cold request's reading over its steps
 
 
 @dataclass
 class _RequestState:
     idle_steps: int = 0  # steps since it last drafted
     history: bool = False  # whether it has been allocated at least once
+    read_upto: int = 1  # its tokens when it last drafted: the drafter has read the context before the last
 
 
 @dataclass
@@ -278,13 +285,18 @@ class AdaptivePolicy(SpeculationPolicy):
         # options are scored by goodput over the goodput they have to reach: plain decoding's, raised
         # by `min_advantage` for the share of their requests whose context the drafter has not read
         # lately (a request new to drafting reads its whole prompt, one idle for a while what it
-        # generated since: costs its round-time line leaves out)
+        # generated since: costs priced only by their share per remaining step)
         best_score, near_score, near = 1.0, 0.0, best
         factors = {}
         cold = {}
+        reads = {}  # context tokens the drafter reads for each request, a cold one's spread over its steps
         for i in adaptive:
-            st = states[i]
+            st, req = states[i], requests[i]
             cold[i] = not st.history or st.idle_steps > self.settings.warm_steps
+            reads[i] = max(0, req.num_tokens - st.read_upto)
+            if cold[i]:
+                left = max(1, req.max_tokens - len(req.output_token_ids))
+                reads[i] /= max(1.0, left / _TOKENS_PER_DRAFT_STEP)
             factor = self.acceptance.request_factor(requests[i].request_id)
             probe = st.idle_steps >= self.settings.probe_every
             if st.history and probe:
@@ -307,11 +319,12 @@ class AdaptivePolicy(SpeculationPolicy):
                         options.append((gain, min(cap.budget, max(1, round(shape_nodes))), i))
                 options.sort(key=lambda o: (-o[0] / o[1], o[2]))
                 gain = budget = num_cold = 0
-                previous = 0.0
+                previous = read = 0.0
                 for m, (g, b, i) in enumerate(options, 1):
-                    gain, budget, num_cold = gain + g, budget + b, num_cold + cold[i]
+                    gain, budget, num_cold, read = gain + g, budget + b, num_cold + cold[i], read + reads[i]
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
-                    goodput = (n + gain) / (step + self.draft_cost.predict(depth, width, m))
+                    step += self.draft_cost.predict(depth, width, m) + self.draft_cost.predict_reading(read)
+                    goodput = (n + gain) / step
                     score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
                     if score > near_score:
                         near_score, near = score, ((depth, width), options, m)
@@ -347,7 +360,7 @@ class AdaptivePolicy(SpeculationPolicy):
         for i in set(adaptive) - set(best_chosen):
             self.acceptance.age(requests[i].request_id)
         for i in best_chosen:
-            states[i].idle_steps = 0
+            states[i].idle_steps, states[i].read_upto = 0, requests[i].num_tokens
             depth, width = min(caps[i].depth, best_shape[0]), min(caps[i].width, best_shape[1])
             # The whole budget cap: the allocation decides how much of the draft to verify.
             out[i] = SpecParams(depth=depth, width=width, budget=caps[i].budget)
@@ -457,6 +470,8 @@ class AdaptivePolicy(SpeculationPolicy):
         self._pending_prediction = None
         if record.num_drafted:
             self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
+        if record.num_read:
+            self.draft_cost.observe_reading(record.num_read, record.read_s)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)
