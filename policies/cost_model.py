@@ -98,6 +98,7 @@ class TargetCostModel:
     _sxy: float = 0.0
     # power-of-two bucket of a tree step's plain tokens -> what its trees add
     trees: dict[int, _TreeOverhead] = field(default_factory=dict)
+    prior_tree_steps: int = 2  # tree steps a new bucket's fit starts with, priced by the nearest bucket
     _curve: tuple[list[float], list[float], list[float]] | None = field(default=None, repr=False)
     # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
     _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
@@ -116,7 +117,8 @@ class TargetCostModel:
         if num_trees:
             if self.points:
                 base = tokens - num_draft_tokens
-                overhead = self.trees.setdefault(self.bucket(base), _TreeOverhead())
+                b = self.bucket(base)
+                overhead = self.trees.get(b) or self._new_overhead(b, num_trees, num_draft_tokens)
                 overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base, context))
                 self._overheads.clear()
             return
@@ -133,11 +135,29 @@ class TargetCostModel:
         d = max(self.decay, 1 / self.counts[b])  # a profiled point weighs one step: online data soon rules
         self.points[b] = tuple((1 - d) * o + d * x for o, x in zip(old, (tokens, seconds, context), strict=True))
 
+    def _new_overhead(self, bucket: int, num_trees: int, num_draft_tokens: int) -> _TreeOverhead:
+        """A bucket's fit, at its first tree step (`num_trees` trees, `num_draft_tokens` tokens): it
+        starts with `prior_tree_steps` such steps as the nearest measured bucket prices them (one
+        noisy step alone can price its trees at nothing, and the next step then verifies every draft
+        token it has)."""
+        near = self.overhead(bucket)
+        fit = self.trees[bucket] = _TreeOverhead()
+        if near is not None:
+            for _ in range(self.prior_tree_steps):
+                fit.add(num_trees, num_draft_tokens, near[0] * num_trees + near[1] * num_draft_tokens)
+        return fit
+
     @property
     def context_slope(self) -> float:
         """Seconds a plain step costs per attention key beyond its bucket's mean context (0 until plain
         steps of one token count have differed in context)."""
         return max(0.0, self._sxy / self._sxx) if self._sxx > 0 else 0.0
+
+    def seed_context_slope(self, seconds_per_key: float, keys_apart: float, steps: float) -> None:
+        """Start the context slope at a measured value, weighing as much as `steps` plain steps
+        `keys_apart` keys from their bucket's mean context (online steps then take over)."""
+        self._sxx = steps * keys_apart * keys_apart
+        self._sxy = self._sxx * max(0.0, seconds_per_key)
 
     def reset(self) -> None:
         """Forget every measurement (a fresh profile follows)."""

@@ -13,13 +13,19 @@ just before the trees, so the overhead is measured against typical decode steps 
 (measured against the fastest prefill of one token, a tree step's ordinary noise and its context
 counted as verification cost: two start-ups priced a batch-1 tree at 0 and at 14 ms, where online
 steps say 1-2 ms). The profile's tree steps then weigh `TREE_WEIGHT` steps, so the first real tree
-steps soon rule. The acceptance statistics of these synthetic prompts are dropped.
+steps soon rule. What a step's attention context costs is measured too: plain decodes of the same
+`CONTEXT_BATCH` requests with short and with long prompts give the seconds per attention key
+(without it the slope waits for a settled bucket, and the first wave of a large batch, its decode
+steps in a bucket whose profiled point is a short prefill, was priced at half its time: its trees'
+draft tokens looked dear, and the shape table learned from trees cut to a few tokens). The acceptance
+statistics of these synthetic prompts are dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -38,6 +44,9 @@ REPEATS = 3  # timed runs per size; one slow run on a noisy machine must not set
 TREE_STEPS = 6  # tokens per speculative decode (the synthetic prompts accept almost nothing: ~one per step)
 TREE_BATCHES = (1, 2, 4, 8)  # batch sizes whose tree overhead is profiled (up to the engine's max_num_seqs)
 TREE_WEIGHT = 2.0  # steps the profile's tree fit of a batch bucket weighs once online tree steps come in
+CONTEXT_BATCH = 8  # requests of the plain decodes, short and long, that price a step's attention context
+CONTEXT_WEIGHT = 20.0  # plain steps the profiled context slope weighs once online steps come in
+CONTEXT_STEPS = 10  # decode steps of each (their median counts)
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: SpecParams) -> None:
@@ -46,6 +55,25 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: Spe
         engine.add_request(prompt_token_ids=ids, params=params, spec=spec)
     while engine.has_unfinished():
         engine.step()
+
+
+def _decode_step_s(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Median seconds of the plain decode steps of these prompts decoded together, and their mean
+    attention keys (requests x the longest one's tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    no_spec = SpecParams(enabled=False)
+    reqs = [engine.add_request(prompt_token_ids=ids, params=params, spec=no_spec) for ids in prompts]
+    times, keys = [], []
+    while engine.has_unfinished():
+        decoding = all(r.num_computed_tokens == r.num_tokens - 1 and not r.finished for r in reqs)
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            times.append(time.perf_counter() - start)
+            keys.append(len(reqs) * max(r.num_tokens - 1 for r in reqs))
+    if not times:
+        raise RuntimeError("the profile's requests never decoded together")
+    return statistics.median(times), statistics.fmean(keys)
 
 
 def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
@@ -72,6 +100,15 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
         policy.target_cost.observe(n, seconds, context=n)  # one sequence: its own n keys
     for batch in batches:  # plain decode steps of the batches whose tree overhead is measured next
         _run(engine, prompts[:batch], TREE_STEPS, no_spec)
+    # What a step's attention context costs: the same batch decoding short and long prompts.
+    batch = min(CONTEXT_BATCH, batches[-1])
+    long_len = min(limit, engine.max_model_len - CONTEXT_STEPS - 3)
+    if long_len >= 2 * len(prompts[0]):
+        short_s, short_keys = _decode_step_s(engine, prompts[:batch], CONTEXT_STEPS)
+        long_prompts = [[rng.randrange(vocab) for _ in range(long_len)] for _ in range(batch)]
+        long_s, long_keys = _decode_step_s(engine, long_prompts, CONTEXT_STEPS)
+        apart = long_keys - short_keys
+        policy.target_cost.seed_context_slope((long_s - short_s) / apart, apart, CONTEXT_WEIGHT)
     for budget in sorted({max(1, full.budget // 4), full.budget}):
         for batch in batches:
             _run(engine, prompts[:batch], TREE_STEPS, dataclasses.replace(full, budget=budget))

@@ -87,9 +87,10 @@ def test_tree_overhead_is_measured_against_the_plain_step_of_the_same_batch():
     assert m.predict(1 + 3, 1, 3) == pytest.approx(0.0315, rel=1e-6)  # not the stale 36 ms of 4 tokens
     for k in (1, 2, 4, 8) * 30:  # batch 32: 1 ms a draft token
         m.observe(32 + k, 0.050 + 0.001 * k, 1, k)
-    assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-6)
+    # (its fit started from batch 1's, weighing two steps: forgotten by now, all but a trace)
+    assert m.predict(32 + 4, 1, 4) == pytest.approx(0.054, rel=1e-3)
     assert m.predict(1 + 4, 1, 4) == pytest.approx(0.032, rel=1e-6)  # batch 1 keeps its own
-    assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(16) + 0.004, rel=1e-6)  # unmeasured: the nearest
+    assert m.predict(16 + 4, 1, 4) == pytest.approx(m._plain(16) + 0.004, rel=1e-3)  # unmeasured: the nearest
     two_points = TargetCostModel(points={8: (8.0, 0.01, 0.0), 16: (16.0, 0.02, 0.0)})
     assert two_points.predict(12, 1, 4) == pytest.approx(0.015)
 
@@ -103,12 +104,18 @@ def test_a_bucket_measured_by_one_kind_of_tree_splits_its_cost_like_its_neighbou
         m.observe(tokens, seconds)
     for k in (1, 4, 8, 16) * 10:  # batch 1: 2 ms a tree, 0.5 ms a draft token
         m.observe(1 + k, 0.030 + 0.002 + 0.0005 * k, 1, k)
-    for _ in range(10):  # batch 32: only the probe, 1 tree of 16 tokens, 20 ms
+    m.observe(32 + 16, 0.050 + 0.020, 1, 16)  # batch 32: only the probe, 1 tree of 16 tokens, 20 ms
+    # its first step alone does not set the bucket: it starts from two such steps priced as at batch 1
+    assert sum(m.overhead(32)[i] * (1, 16)[i] for i in (0, 1)) == pytest.approx(
+        ((0.99**2 + 0.99) * 0.010 + 0.020) / (0.99**2 + 0.99 + 1)
+    )
+    for _ in range(300):
         m.observe(32 + 16, 0.050 + 0.020, 1, 16)
     per_tree, per_token = m.overhead(32)
-    assert per_tree + 16 * per_token == pytest.approx(0.020)  # what was measured holds
+    assert per_tree + 16 * per_token == pytest.approx(0.020, rel=1e-3)  # what was measured holds
     assert per_tree / per_token == pytest.approx(0.002 / 0.0005)  # split as at batch 1
-    assert m.predict(33, 1, 1) == pytest.approx(0.050 + 0.020 * (0.002 + 0.0005) / (0.002 + 16 * 0.0005))
+    expected = 0.050 + 0.020 * (0.002 + 0.0005) / (0.002 + 16 * 0.0005)
+    assert m.predict(33, 1, 1) == pytest.approx(expected, rel=1e-3)
     alone = TargetCostModel(points={32: (32.0, 0.05, 0.0)})
     alone.observe(48, 0.070, 1, 16)  # nothing to split by: all on the tree
     assert alone.overhead(32) == pytest.approx((0.020, 0.0))
