@@ -17,7 +17,8 @@ an average over contexts would misprice both the step and what trees add to it. 
 by a start-up profile; both follow the times observed
 online (exponential moving averages), so a model that was profiled cold or on a busy machine
 corrects itself. The drafter's time is a line in the number of requests it drafts for, one line per
-(depth, width), fitted online by least squares with forgetting.
+(depth, width), fitted online by least squares with forgetting, plus its reading of the context
+those requests gained since they last drafted: a line in the tokens read, timed apart.
 """
 
 from __future__ import annotations

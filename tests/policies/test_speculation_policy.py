@@ -160,6 +160,20 @@ def test_a_plain_step_is_priced_by_its_context_and_so_is_what_trees_add():
     assert m.predict(4, context=400) < unknown < m.predict(4, context=2000)
 
 
+def test_a_seeded_context_slope_prices_steps_until_online_steps_take_over():
+    """The profile measures seconds per attention key; plain steps then price by it from the start."""
+    m = TargetCostModel()
+    m.observe(8, 0.030, context=500)
+    assert m.predict(8, context=2000) == pytest.approx(0.030)  # no slope yet: context is not priced
+    m.seed_context_slope(2e-5, 1500, 20)
+    assert m.context_slope == pytest.approx(2e-5)
+    assert m.predict(8, context=2000) == pytest.approx(0.060)
+    for step in range(400):  # the engine's steps say 4e-5 a key
+        context = 500 + 1500 * (step % 2)
+        m.observe(8, 0.030 + 4e-5 * (context - 500), context=context)
+    assert m.context_slope == pytest.approx(4e-5, rel=0.1)
+
+
 def test_a_profiled_point_weighs_one_step():
     """A start-up profile taken on a busy machine (180 ms) gives way to the steps the engine runs."""
     m = TargetCostModel()
@@ -451,9 +465,59 @@ def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
 
 def test_observed_steps_feed_the_cost_models():
     p = AdaptivePolicy()
-    p.observe_step(StepRecord(num_tokens=4, target_s=0.02, draft_s=0.005, draft_depth=3, draft_width=2, num_drafted=1))
+    p.observe_step(
+        StepRecord(
+            num_tokens=4,
+            target_s=0.02,
+            draft_s=0.005,
+            draft_depth=3,
+            draft_width=2,
+            num_drafted=1,
+            read_s=0.003,
+            num_read=40,
+        )
+    )
     assert p.target_cost.predict(4) == pytest.approx(0.02)
-    assert p.draft_cost.predict(3, 2, 1) == pytest.approx(0.005)
+    assert p.draft_cost.predict(3, 2, 1) == pytest.approx(0.005)  # the round alone: the reading is apart
+    assert p.draft_cost.predict_reading(40) == pytest.approx(0.003)
+
+
+def test_draft_cost_model_prices_reading_by_the_tokens_read():
+    """Reading the context is a line in tokens read, whatever shape drafts after it; nothing to read
+    (or nothing measured yet) costs nothing."""
+    m = DraftCostModel()
+    assert m.predict_reading(50) == 0.0
+    for tokens in (3, 40, 400, 10) * 5:
+        m.observe_reading(tokens, 0.001 + 0.0001 * tokens)
+    assert m.predict_reading(1000) == pytest.approx(0.101, rel=1e-6)
+    assert m.predict_reading(0) == 0.0
+    assert not m.lines  # no round was measured by it
+
+
+def long_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(), max_tokens, frozenset(), None, None)
+
+
+def test_plan_prices_the_context_the_drafter_has_not_read():
+    """A draft pays 35% over plain decoding on a 10 ms step, and reading costs 0.1 ms a token. A new
+    request with a 400-token prompt reads it once: spread over the 100 drafted steps its 200 tokens
+    left take, 4 tokens a step, it drafts; with 2 tokens left the whole 40 ms falls on one step and
+    it does not. A request that drafted a step ago reads only what that step added."""
+    chosen = {}
+    for name, prompt_len, max_tokens, warm in (
+        ("new, long to go", 400, 200, False),
+        ("new, nearly done", 400, 2, False),
+        ("warm", 400, 2, True),
+    ):
+        p = flat_policy(0.010, 0.0, 0.003)  # a depth-1 round costs 1 ms
+        p.draft_cost.observe_reading(10, 0.001)
+        p.draft_cost.observe_reading(100, 0.010)
+        p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+        req = long_request("a", prompt_len, max_tokens)
+        if warm:
+            p.requests["a"] = _RequestState(idle_steps=0, history=True, read_upto=req.num_tokens - 3)
+        chosen[name] = p.plan([req], [SpecParams(1, 1, 1)], 0)[0] is not None
+    assert chosen == {"new, long to go": True, "new, nearly done": False, "warm": True}
 
 
 def test_verified_trees_keep_the_drafters_scores_for_calibration():
