@@ -440,16 +440,16 @@ def test_an_option_that_nearly_pays_is_tried_often_one_far_from_paying_seldom():
     assert idle_probes <= drafted["far"] <= idle_probes + 2
 
 
-def test_where_every_step_drafts_one_in_probe_every_does_not():
+def test_where_every_step_drafts_one_in_plain_every_does_not():
     """Drafting always pays here, but the plain step time the overhead is measured against must stay
-    current: after `probe_every` drafting plans in a row (the full-shape probes aside) one is plain."""
+    current: after `plain_every` drafting plans in a row (the full-shape probes aside) one is plain."""
     p = flat_policy(0.010, 0.0001, 0.0001)
     p.shapes = shape_table({(d, w): (0.9, 1.0) for d in (1, 2, 3) for w in (1, 2)})
     reqs, caps = [request("a")], [SpecParams(3, 2, 6)]
-    drafted = [p.plan(reqs, caps, 0)[0] is not None for _ in range(64)]
+    drafted = [p.plan(reqs, caps, 0)[0] is not None for _ in range(256)]
     plain = [i for i, d in enumerate(drafted) if not d]
-    assert plain and len(plain) <= 64 // p.settings.probe_every + 1
-    assert all(b - a > p.settings.probe_every for a, b in itertools.pairwise(plain))
+    assert plain and len(plain) <= 256 // p.settings.plain_every + 1
+    assert all(b - a > p.settings.plain_every for a, b in itertools.pairwise(plain))
 
 
 def test_fixed_requests_keep_their_tree_and_fixed_policy_prunes_by_score():
