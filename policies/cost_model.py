@@ -119,7 +119,9 @@ class TargetCostModel:
             if self.points:
                 base = tokens - num_draft_tokens
                 b = self.bucket(base)
-                overhead = self.trees.get(b) or self._new_overhead(b, num_trees, num_draft_tokens)
+                if b not in self.trees:
+                    self._new_overhead(b, num_trees, num_draft_tokens)
+                overhead = self.trees[b]
                 overhead.add(num_trees, num_draft_tokens, seconds - self._plain(base, context))
                 self._overheads.clear()
             return
@@ -136,7 +138,7 @@ class TargetCostModel:
         d = max(self.decay, 1 / self.counts[b])  # a profiled point weighs one step: online data soon rules
         self.points[b] = tuple((1 - d) * o + d * x for o, x in zip(old, (tokens, seconds, context), strict=True))
 
-    def _new_overhead(self, bucket: int, num_trees: int, num_draft_tokens: int) -> _TreeOverhead:
+    def _new_overhead(self, bucket: int, num_trees: int, num_draft_tokens: int) -> None:
         """A bucket's fit, at its first tree step (`num_trees` trees, `num_draft_tokens` tokens): it
         starts with `prior_tree_steps` such steps as the nearest measured bucket prices them (one
         noisy step alone can price its trees at nothing, and the next step then verifies every draft
@@ -146,7 +148,6 @@ class TargetCostModel:
         if near is not None:
             for _ in range(self.prior_tree_steps):
                 fit.add(num_trees, num_draft_tokens, near[0] * num_trees + near[1] * num_draft_tokens)
-        return fit
 
     @property
     def context_slope(self) -> float:

@@ -29,6 +29,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from engines.attention import attention_keys
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.acceptance import AcceptanceModel
@@ -59,18 +60,19 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, spec: Spe
 
 def _decode_step_s(engine: LLMEngine, prompts: list[list[int]], steps: int) -> tuple[float, float]:
     """Median seconds of the plain decode steps of these prompts decoded together, and their mean
-    attention keys (requests x the longest one's tokens)."""
+    attention keys."""
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     no_spec = SpecParams(enabled=False)
     reqs = [engine.add_request(prompt_token_ids=ids, params=params, spec=no_spec) for ids in prompts]
     times, keys = [], []
     while engine.has_unfinished():
         decoding = all(r.num_computed_tokens == r.num_tokens - 1 and not r.finished for r in reqs)
+        context = attention_keys([(r.num_computed_tokens, 1) for r in reqs])
         start = time.perf_counter()
         engine.step()
         if decoding:
             times.append(time.perf_counter() - start)
-            keys.append(len(reqs) * max(r.num_tokens - 1 for r in reqs))
+            keys.append(context)
     if not times:
         raise RuntimeError("the profile's requests never decoded together")
     return statistics.median(times), statistics.fmean(keys)
@@ -98,13 +100,13 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     policy.draft_cost = DraftCostModel()
     for n, seconds in fastest.items():
         policy.target_cost.observe(n, seconds, context=n)  # one sequence: its own n keys
-    for batch in batches:  # plain decode steps of the batches whose tree overhead is measured next
-        _run(engine, prompts[:batch], TREE_STEPS, no_spec)
+    # plain decode steps of the batches whose tree overhead is measured next
+    plain = {batch: _decode_step_s(engine, prompts[:batch], CONTEXT_STEPS) for batch in batches}
     # What a step's attention context costs: the same batch decoding short and long prompts.
     batch = min(CONTEXT_BATCH, batches[-1])
     long_len = min(limit, engine.max_model_len - CONTEXT_STEPS - 3)
     if long_len >= 2 * len(prompts[0]):
-        short_s, short_keys = _decode_step_s(engine, prompts[:batch], CONTEXT_STEPS)
+        short_s, short_keys = plain[batch]
         long_prompts = [[rng.randrange(vocab) for _ in range(long_len)] for _ in range(batch)]
         long_s, long_keys = _decode_step_s(engine, long_prompts, CONTEXT_STEPS)
         apart = long_keys - short_keys
