@@ -233,13 +233,15 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.stop_token_ids
+        seed = params.resolve_seed()  # drawn once: every positional draw of the request uses it
         return Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=prompt,
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=stop_ids,
-            generator=params.make_generator(self.device),
+            generator=params.make_generator(self.device, seed),
+            seed=seed,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
             spec=spec if spec.enabled and self.drafter is not None else None,
             tpot_target_s=tpot_target_s,
@@ -340,7 +342,10 @@ class LLMEngine:
         if sampling:
             reqs = [r for r, _ in sampling]
             tokens = sample(
-                torch.stack([row for _, row in sampling]), [r.params for r in reqs], [r.generator for r in reqs]
+                torch.stack([row for _, row in sampling]),
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn
             )
             for req, tok in zip(reqs, tokens.tolist(), strict=True):
                 outputs.append(self.append_tokens(req, [tok]))
@@ -382,7 +387,11 @@ class LLMEngine:
 
     def _accept_drafts(self, drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]]) -> list[RequestOutput]:
         """Verify the step's trees in one batch, commit each accepted path, emit accepted + bonus tokens."""
-        items = [VerifyItem(s.draft, s.request.params, s.request.generator) for s, _, _ in drafted]
+        # A node at depth d of a tree gives the token at output index len(output_token_ids) + d.
+        items = [
+            VerifyItem(s.draft, s.request.params, s.request.generator, s.request.seed, len(s.request.output_token_ids))
+            for s, _, _ in drafted
+        ]
         results = verify_batch(items, torch.cat([logits for _, logits, _ in drafted]), self.config.chain_verifier)
         outputs = []
         for (s, _, hidden), result in zip(drafted, results, strict=True):

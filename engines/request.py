@@ -38,6 +38,8 @@ class Request:
     `num_computed_tokens` counts the tokens (prompt then output) whose K/V are in the cache; the
     scheduler runs `num_tokens - num_computed_tokens` more of them (a prefill chunk or one decode
     token). After preemption it drops to 0 and the request recomputes from its full token list.
+    `generator` serves only stochastic chain drafts (draft-model drafter); everything else samples
+    with positional noise from `seed`.
     """
 
     request_id: str
@@ -47,6 +49,9 @@ class Request:
     stop_token_ids: frozenset[int]
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
+    # Sampling seed: params.seed, or drawn at admission. The token at output index i draws with the
+    # noise of (seed, i) (positional_random.py), with or without speculation.
+    seed: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -1,8 +1,11 @@
 """Sampling parameters (validated at the API edge of the engine) and the batched sampler.
 
 The target's distribution is processed in the order transformers applies its warpers: temperature,
-then top-k, top-p and min-p. Temperature 0 means greedy. Every request has its own torch.Generator,
-seeded when the request gives a seed, so its random draws do not depend on what it is batched with.
+then top-k, top-p and min-p. Temperature 0 means greedy. At temperature > 0 the token at output index
+i of a request is the Gumbel-max `argmax(logp_i + G(seed, i))`, with G a hash of (seed, i, token)
+(positional_random.py): it does not depend on the batch, on speculation, or on how many random numbers
+anything drew before. Only stochastic chain drafts (the draft-model drafter) still draw from the
+request's torch.Generator (`make_generator`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Any
 import torch
 
 from engines.errors import InvalidRequestError
+from engines.positional_random import gumbel_for
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is any int64
 
 
 @dataclass
@@ -57,6 +63,8 @@ class SamplingParams:
             raise bad("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise bad("seed", f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed}")
         if self.max_tokens is not None and (
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -71,11 +79,17 @@ class SamplingParams:
             raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {vocab_size})")
         return self
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """This request's random source: seeded when `seed` is given, else from fresh entropy."""
+    def make_generator(self, device: torch.device | str = "cpu", seed: int | None = None) -> torch.Generator:
+        """A torch.Generator for the draws that stay sequential (stochastic chain drafts and their
+        verification): seeded with `seed`, else this request's `seed`, else fresh entropy."""
         g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else random.getrandbits(63))
+        seed = seed if seed is not None else self.seed
+        g.manual_seed(seed if seed is not None else random.getrandbits(63))
         return g
+
+    def resolve_seed(self) -> int:
+        """The seed a request samples with: its own, or a fresh random one (drawn once, at admission)."""
+        return self.seed if self.seed is not None else random.getrandbits(63)
 
 
 def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -99,7 +113,9 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
         probs = sorted_logits.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the token crossing the line is kept).
         mass_before = probs.cumsum(-1) - probs
-        ps = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+        # top_p = 1 never cuts: fp32 cumsums can reach 1.0 before the tail, which would drop tail
+        # tokens of a top_p = 1 row only when it is batched with a top-p row.
+        ps = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=logits.device).unsqueeze(1)
         drop |= mass_before >= ps
         drop[:, 0] = False
         logits = torch.full_like(logits, -math.inf).scatter(1, order, sorted_logits.masked_fill(drop, -math.inf))
@@ -107,17 +123,30 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if any(m > 0 for m in min_p):
         mp = torch.tensor(min_p, device=logits.device).unsqueeze(1)
         floor = logprobs.max(-1, keepdim=True).values + torch.log(mp)
-        logprobs = logprobs.masked_fill(logprobs < floor, -math.inf).log_softmax(-1)
+        renormed = logprobs.masked_fill(logprobs < floor, -math.inf).log_softmax(-1)
+        # Rows without min-p keep their values bit for bit (a second log_softmax would shift them by
+        # rounding), so a row's result does not depend on what it is batched with.
+        logprobs = torch.where(mp > 0, renormed, logprobs)
     return logprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of logits [N, vocab]: argmax for greedy rows, a draw from the processed
-    distribution with the row's own generator otherwise. Returns [N] int64."""
+def gumbel_argmax(logprobs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Gumbel-max over processed log-probabilities [N, vocab]: row r's token is
+    argmax(logprobs[r] + G(seeds[r], positions[r])), a draw from exp(logprobs[r]). Filtered tokens
+    (-inf) stay -inf and never win. Returns [N] int64."""
+    noise = gumbel_for(seeds, positions, logprobs.shape[-1], logprobs.device)
+    return (logprobs + noise).argmax(-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """One token per row of logits [N, vocab]: argmax for greedy rows; for the others the Gumbel-max
+    draw from the processed distribution with the noise of (seeds[r], positions[r]), where a position
+    is the output index of the token being produced (len(output_token_ids) before it is appended).
+    All sampled rows are drawn by one tensor op. Returns [N] int64."""
     tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        probs = processed_logprobs(logits[rows], [params[i] for i in rows]).exp()
-        for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+        logprobs = processed_logprobs(logits[rows], [params[i] for i in rows])
+        drawn = gumbel_argmax(logprobs, [seeds[i] for i in rows], [positions[i] for i in rows])
+        tokens[torch.tensor(rows, device=tokens.device)] = drawn
     return tokens

@@ -1,30 +1,45 @@
 """Lossless verification of draft trees and chains against the target's distributions.
 
-Every verifier takes the target's processed distributions at the draft's nodes and draws its
-random numbers from an `Rng` *after* the draft is fixed. Randomness enters only through
-`Rng.bernoulli` and `Rng.categorical`, so the exact-enumeration tests can run these very
-functions with an enumerating Rng and compute the law of their output exactly.
+The reference verifiers take the target's processed distributions at the draft's nodes and draw
+their random numbers from an `Rng` *after* the draft is fixed. Randomness enters only through
+`Rng.bernoulli` and `Rng.categorical`, so the exact-enumeration tests can run these very functions
+with an enumerating Rng and compute the law of their output exactly.
 
 - `verify_greedy`: temperature 0; longest path of argmax matches, bonus = argmax at its end.
 - `verify_tree`: deterministic (top-k / n-gram) trees at temperature > 0. At each node children are
   tried in order; child x is accepted with probability p(x) under the current p, else p(x) := 0
   and p is renormalised; with no child accepted the bonus is drawn from what is left of p; at a
   leaf it is drawn from the leaf's p. This samples exactly from p at every node (EAGLE, SGLang).
+  Kept as the reference for:
+- `verify_tree_by_sampling`: the rule the engine runs on deterministic trees. Draw the target's own
+  token y ~ p at a node; if a child carries y, accept it and go on, else stop with bonus y (at a leaf,
+  bonus = y). Child c is accepted with probability p(c) and bonus y emitted with probability p(y),
+  exactly as in `verify_tree`: same law of (accepted path, bonus). In `verify_batch` the draw at a
+  node of depth d is the Gumbel-max argmax(logp + G(seed, base + d)) (positional_random.py), the very
+  draw plain decoding makes for output index base + d, so a seeded request emits the same tokens
+  with speculation on or off, whatever the trees.
 - `verify_chain_rejection`: stochastic chains (tokens drawn from q): token-wise rejection sampling.
 - `verify_chain_block`: stochastic chains: block verification (accepts at least as much in expectation).
 - `verify_chain_hsd_published_lossy`: the HSD paper's published rule, which accepts the whole draft
   with probability min(1, prod rho) instead of block verification's capped weight. It is NOT
   lossless (tests/engines/test_verification.py measures its drift); kept for comparison only.
+
+Stochastic chains compare the draft with q, so they cannot reuse the target's positional draw; they
+draw from the request's torch.Generator (as the draft-model drafter does when drafting), and their
+output is reproducible for a seed but not equal to the unspeculated one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
 
 from engines.draft_tree import DraftTree
+from engines.positional_random import gumbel_for
 from engines.sampling import SamplingParams, processed_logprobs
 
 
@@ -70,18 +85,38 @@ class VerifyResult:
         return len(self.path) - 1
 
 
-def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
-    """Follow children equal to the target's argmax at each node (target_argmax: [n])."""
+def follow_target(tree: DraftTree, target_token: Callable[[int], int]) -> VerifyResult:
+    """Walk down from the root taking, at each node, the child whose token is the target's token at that
+    node (`target_token(node)`, asked once per visited node); stop with that token as the bonus when no
+    child carries it. Children with equal tokens: the first one in node order."""
     node = 0
     path = [0]
     children = tree.child_lists()
     while True:
-        want = target_argmax[node]
+        want = target_token(node)
         nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
         if nxt is None:
             return VerifyResult(path, want)
         node = nxt
         path.append(node)
+
+
+def verify_greedy(tree: DraftTree, target_argmax: list[int]) -> VerifyResult:
+    """Follow children equal to the target's argmax at each node (target_argmax: [n])."""
+    return follow_target(tree, target_argmax.__getitem__)
+
+
+def verify_tree_sampled(tree: DraftTree, sampled: list[int]) -> VerifyResult:
+    """Follow children equal to the target's sampled token at each node (sampled: [n], the draw at a
+    node of depth d being the one for output index base + d): the batched form of
+    `verify_tree_by_sampling`."""
+    return follow_target(tree, sampled.__getitem__)
+
+
+def verify_tree_by_sampling(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """Deterministic trees by sampling the target: one `rng.categorical(p_node)` per visited node, accept
+    the child carrying it, else emit it as the bonus. Same law of (path, bonus) as `verify_tree`."""
+    return follow_target(tree, lambda node: rng.categorical(target_probs[node]))
 
 
 def verify_tree(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
@@ -182,39 +217,66 @@ CHAIN_VERIFIERS = {
 
 @dataclass
 class VerifyItem:
-    """One request's draft and how to judge it."""
+    """One request's draft and how to judge it.
+
+    `seed` and `base_position` fix the target's draws on deterministic trees at temperature > 0: a node
+    at depth d draws with the noise of (seed, base_position + d), where base_position is the number of
+    output tokens the request had before this step. `generator` serves stochastic chains only.
+    """
 
     tree: DraftTree
     params: SamplingParams
     generator: torch.Generator
+    seed: int
+    base_position: int
 
 
 def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block") -> list[VerifyResult]:
     """Verify every request's draft of a step against the target's logits at all their nodes.
 
     logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
-    work runs once for the batch (argmax for greedy rows, processed distributions for sampled rows);
-    only the walk down each tree is per request.
+    work runs once for the batch: argmax for greedy rows, and for deterministic trees at temperature
+    > 0 the Gumbel-max draw at every node (noise computed once per (request, depth) and shared by the
+    nodes of that depth); one host copy brings all those tokens back, and only the walk down each tree
+    is per request. Stochastic chains get their processed distributions and draw from their generator.
     """
     sizes = [it.tree.size for it in items]
-    offsets = [sum(sizes[:i]) for i in range(len(items))]
-    argmax = logits.argmax(-1).tolist()
-    sampled = [i for i, it in enumerate(items) if not it.params.greedy]
+    offsets = [0, *accumulate(sizes)]
+    device = logits.device
+    chosen = logits.argmax(-1)  # the greedy rows' tokens; sampled tree rows are overwritten below
     probs: dict[int, torch.Tensor] = {}
+    sampled = [i for i, it in enumerate(items) if not it.params.greedy]
     if sampled:
-        rows = torch.cat([torch.arange(offsets[i], offsets[i] + sizes[i]) for i in sampled])
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled]).to(device)
         row_params = [items[i].params for i in sampled for _ in range(sizes[i])]
-        all_probs = processed_logprobs(logits[rows.to(logits.device)], row_params).exp()
-        start = 0
-        for i in sampled:
-            probs[i] = all_probs[start : start + sizes[i]]
-            start += sizes[i]
+        logprobs = processed_logprobs(logits[rows], row_params)
+        local = [0, *accumulate(sizes[i] for i in sampled)]  # item's rows within logprobs
+        tree_rows: list[int] = []  # rows of logprobs that are tree nodes
+        noise_index: list[int] = []  # per tree node: its (request, depth) noise row
+        seeds: list[int] = []
+        positions: list[int] = []
+        for j, i in enumerate(sampled):
+            it = items[i]
+            if it.tree.draft_probs is not None:
+                probs[i] = logprobs[local[j] : local[j + 1]].exp()
+                continue
+            first = len(seeds)
+            seeds += [it.seed] * (it.tree.depth + 1)
+            positions += [it.base_position + d for d in range(it.tree.depth + 1)]
+            noise_index += [first + d for d in it.tree.depths]
+            tree_rows += range(local[j], local[j + 1])
+        if tree_rows:
+            noise = gumbel_for(seeds, positions, logits.shape[-1], device)
+            sel = torch.tensor(tree_rows, device=device)
+            drawn = (logprobs[sel] + noise[torch.tensor(noise_index, device=device)]).argmax(-1)
+            chosen[rows[sel]] = drawn
+    tokens = chosen.tolist()  # the one host copy of the tree rule
     results = []
     for i, it in enumerate(items):
         if it.params.greedy:
-            results.append(verify_greedy(it.tree, argmax[offsets[i] : offsets[i] + sizes[i]]))
+            results.append(verify_greedy(it.tree, tokens[offsets[i] : offsets[i + 1]]))
         elif it.tree.draft_probs is not None:
             results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs[i], TorchRng(it.generator)))
         else:
-            results.append(verify_tree(it.tree, probs[i], TorchRng(it.generator)))
+            results.append(verify_tree_sampled(it.tree, tokens[offsets[i] : offsets[i + 1]]))
     return results

@@ -63,28 +63,66 @@ def test_mixed_rows_are_processed_independently():
 
 def test_greedy_rows_take_argmax():
     logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 0.0, 0.0]])
-    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
-    assert sample(logits, [SamplingParams(temperature=0)] * 2, gens).tolist() == [1, 0]
+    assert sample(logits, [SamplingParams(temperature=0)] * 2, [0, 0], [0, 0]).tolist() == [1, 0]
 
 
 def test_sample_frequencies_follow_processed_distribution():
+    """Gumbel-max over many seeds (one draw each) samples the processed distribution."""
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, -1.0, -3.0]])
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
     want = processed_logprobs(logits, [params]).exp()[0]
-    g = torch.Generator().manual_seed(7)
     n = 20000
-    counts = torch.zeros(6)
-    for _ in range(n):
-        counts[sample(logits, [params], [g])[0]] += 1
-    freq = counts / n
+    tokens = sample(logits.expand(n, -1), [params] * n, list(range(n)), [0] * n)
+    freq = torch.bincount(tokens, minlength=6).double() / n
     assert freq[4:].sum() == 0  # cut tokens never appear
     # 5 standard errors: fails only if the sampler is biased.
     assert torch.all((freq - want).abs() <= 5 * (want * (1 - want) / n).sqrt() + 1e-9)
 
 
-def test_seeded_generators_reproduce():
+def test_seeded_sampling_is_a_function_of_seed_and_position():
     logits = torch.randn(1, 100)
     p = SamplingParams(temperature=1.0, seed=5)
-    a = [sample(logits, [p], [g])[0].item() for g in [p.make_generator()] for _ in range(20)]
-    b = [sample(logits, [p], [g])[0].item() for g in [p.make_generator()] for _ in range(20)]
+    a = [sample(logits, [p], [5], [i])[0].item() for i in range(20)]
+    b = [sample(logits, [p], [5], [i])[0].item() for i in range(20)]
     assert a == b
+    assert len(set(a)) > 1  # positions draw differently
+    assert [sample(logits, [p], [6], [i])[0].item() for i in range(20)] != a
+
+
+def test_sample_rows_do_not_depend_on_their_neighbours():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 300) * 2
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.1, top_p=0.8),
+        SamplingParams(temperature=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=20),
+    ]
+    seeds, positions = [3, 4, -5, 2**63 - 1, -(2**63)], [0, 7, 7, 100, 1]
+    together = sample(logits, params, seeds, positions).tolist()
+    alone = [sample(logits[i : i + 1], [params[i]], [seeds[i]], [positions[i]]).item() for i in range(5)]
+    assert together == alone
+
+
+def test_top_p_one_keeps_the_tail_when_batched_with_top_p():
+    """A top_p = 1 row is processed bit for bit the same alone or beside a top-p row."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 49152) * 4
+    ps = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.5, min_p=0.1)]
+    assert torch.equal(processed_logprobs(logits, ps)[0], processed_logprobs(logits[:1], ps[:1])[0])
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_seed_outside_int64_is_invalid(seed):
+    from engines.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(seed=seed).validate(100)
+    assert err.value.param == "seed"
+
+
+def test_int64_extreme_seeds_are_valid():
+    for seed in (2**63 - 1, -(2**63), -1, 0):
+        p = SamplingParams(seed=seed).validate(100)
+        p.make_generator()  # torch accepts every int64 seed

@@ -23,6 +23,7 @@ from engines.verification import (
     verify_chain_rejection,
     verify_greedy,
     verify_tree,
+    verify_tree_by_sampling,
 )
 
 V = 3  # vocabulary
@@ -122,23 +123,30 @@ def chain_step(world: World, verifier, out: tuple[int, ...]) -> Callable[[Forced
     return run
 
 
-def tree_step(world: World, widths: list[int], out: tuple[int, ...]) -> Callable[[ForcedRng], tuple[int, ...]]:
+def top_k_tree(world: World, widths: list[int], out: tuple[int, ...]) -> tuple[DraftTree, torch.Tensor]:
+    """A deterministic top-k tree built from q after `out` (widths per depth) and the target's p at its nodes."""
+    tokens, parents, prefixes = [-1], [-1], [out]
+    frontier = [0]
+    for k in widths:
+        nxt = []
+        for node in frontier:
+            for x in torch.argsort(world.q(prefixes[node]), descending=True)[:k].tolist():
+                tokens.append(x)
+                parents.append(node)
+                prefixes.append((*prefixes[node], x))
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    return DraftTree(tokens, parents), torch.stack([world.p(pre) for pre in prefixes])
+
+
+def tree_step(
+    world: World, widths: list[int], out: tuple[int, ...], verifier=verify_tree
+) -> Callable[[ForcedRng], tuple[int, ...]]:
     """One speculative step after `out` with a deterministic top-k tree built from q (widths per depth)."""
 
     def run(rng) -> tuple[int, ...]:
-        tokens, parents, prefixes = [-1], [-1], [out]
-        frontier = [0]
-        for k in widths:
-            nxt = []
-            for node in frontier:
-                for x in torch.argsort(world.q(prefixes[node]), descending=True)[:k].tolist():
-                    tokens.append(x)
-                    parents.append(node)
-                    prefixes.append((*prefixes[node], x))
-                    nxt.append(len(tokens) - 1)
-            frontier = nxt
-        tree = DraftTree(tokens, parents)
-        res = verify_tree(tree, torch.stack([world.p(pre) for pre in prefixes]), rng)
+        tree, probs = top_k_tree(world, widths, out)
+        res = verifier(tree, probs, rng)
         return (*tuple(tree.tokens[i] for i in res.path[1:]), res.bonus)
 
     return run
@@ -181,10 +189,36 @@ def test_chain_verifiers_are_exactly_lossless(seed, verifier):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("widths", [[2, 1, 1], [3, 2], [1, 1, 1], [2, 2, 2]])
-def test_tree_verifier_is_exactly_lossless(seed, widths):
+@pytest.mark.parametrize("verifier", [verify_tree, verify_tree_by_sampling], ids=["sequential", "by-sampling"])
+def test_tree_verifier_is_exactly_lossless(seed, widths, verifier):
     world = World(seed)
-    law = decoding_law(lambda out: tree_step(world, widths, out))
+    law = decoding_law(lambda out: tree_step(world, widths, out, verifier))
     assert total_variation(law, world.target_law()) < 1e-9
+
+
+def path_and_bonus(verifier, tree: DraftTree, probs: torch.Tensor) -> Callable[[ForcedRng], tuple]:
+    """One verification of `tree`, its outcome as (accepted path, bonus)."""
+
+    def run(rng) -> tuple:
+        res = verifier(tree, probs, rng)
+        return (tuple(res.path), res.bonus)
+
+    return run
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("widths", [[2, 1, 1], [3, 2], [1, 1, 1], [2, 2, 2], [3, 3]])
+def test_sampling_rule_accepts_exactly_as_the_sequential_rule(seed, widths):
+    """Not only the output: the law of (accepted path, bonus) of one step is the same, so the
+    sampling rule accepts as many draft tokens as the sequential one, in law."""
+    world = World(seed)
+    for out in [(), (0,), (2, 1)]:
+        tree, probs = top_k_tree(world, widths, out)
+
+        sequential = exact_law(path_and_bonus(verify_tree, tree, probs))
+        by_sampling = exact_law(path_and_bonus(verify_tree_by_sampling, tree, probs))
+        assert abs(sum(by_sampling.values()) - 1.0) < 1e-12
+        assert total_variation(sequential, by_sampling) < 1e-12
 
 
 def test_published_hsd_rule_drifts():
@@ -237,8 +271,8 @@ def test_tree_verifier_monte_carlo_with_torch_rng():
 
 
 def test_verify_batch_equals_per_request_verifiers():
-    from engines.sampling import SamplingParams, processed_logprobs
-    from engines.verification import VerifyItem, verify_batch
+    from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs
+    from engines.verification import VerifyItem, verify_batch, verify_tree_sampled
 
     torch.manual_seed(3)
     vocab = 11
@@ -246,27 +280,64 @@ def test_verify_batch_equals_per_request_verifiers():
         DraftTree([1, 2, 3, 4], [-1, 0, 0, 1]),  # greedy tree
         DraftTree([5, 6, 7], [-1, 0, 1]),  # sampled deterministic tree
         DraftTree.chain(8, [9, 10], draft_probs=torch.softmax(torch.randn(3, vocab), -1)),  # sampled chain
+        DraftTree([5, 6, 7, 1, 2], [-1, 0, 0, 1, 2]),  # another sampled tree: two nodes per depth
     ]
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.2)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=1.0, min_p=0.05),
+    ]
+    bases = [0, 4, 9, 17]
     logits = torch.randn(sum(t.size for t in trees), vocab) * 2
+    rows = logits.split([t.size for t in trees])
+
+    def by_position(k: int, seed: int) -> list[int]:
+        # The token drawn at a node of depth d is the one plain sampling draws at output index base + d.
+        tree, n = trees[k], trees[k].size
+        lp = processed_logprobs(rows[k], [params[k]] * n)
+        return gumbel_argmax(lp, [seed + 100 * k] * n, [bases[k] + d for d in tree.depths]).tolist()
+
     for seed in range(20):
-        items = [VerifyItem(t, p, torch.Generator().manual_seed(seed)) for t, p in zip(trees, params, strict=True)]
+        items = [
+            VerifyItem(t, p, torch.Generator().manual_seed(seed), seed + 100 * k, base)
+            for k, (t, p, base) in enumerate(zip(trees, params, bases, strict=True))
+        ]
         got = verify_batch(items, logits)
-        rows = logits.split([t.size for t in trees])
+
         want = [
             verify_greedy(trees[0], rows[0].argmax(-1).tolist()),
-            verify_tree(
-                trees[1],
-                processed_logprobs(rows[1], [params[1]] * 3).exp(),
-                TorchRng(torch.Generator().manual_seed(seed)),
-            ),
+            verify_tree_sampled(trees[1], by_position(1, seed)),
             verify_chain_block(
                 trees[2],
                 processed_logprobs(rows[2], [params[2]] * 3).exp(),
                 TorchRng(torch.Generator().manual_seed(seed)),
             ),
+            verify_tree_sampled(trees[3], by_position(3, seed)),
         ]
         assert got == want
+
+
+def test_batched_sampling_rule_has_the_sequential_rules_law():
+    """verify_batch's positional Gumbel draws, one seed per request: the frequencies of (path, bonus)
+    over many seeds match the exact law of `verify_tree` (a chi-square-style bound per outcome)."""
+    from engines.sampling import SamplingParams
+    from engines.verification import VerifyItem, verify_batch
+
+    world = World(5)
+    tree, probs = top_k_tree(world, [2, 2], ())
+    want = exact_law(path_and_bonus(verify_tree, tree, probs))
+    n = 3000
+    params = SamplingParams(temperature=1.0)
+    items = [VerifyItem(tree, params, torch.Generator(), seed, 7) for seed in range(n)]
+    logits = probs.float().log().repeat(n, 1)
+    counts: dict[tuple, int] = defaultdict(int)
+    for res in verify_batch(items, logits):
+        counts[(tuple(res.path), res.bonus)] += 1
+    assert set(counts) <= set(want)
+    for key, p in want.items():
+        got = counts[key] / n
+        assert abs(got - p) <= 5 * (p * (1 - p) / n) ** 0.5 + 1e-9, (key, got, p)
 
 
 def fused_tree_step(world: World, out: tuple[int, ...]) -> Callable[[ForcedRng], tuple[int, ...]]:
