@@ -3,6 +3,7 @@ plus incremental detokenization for streaming."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +11,16 @@ from transformers import AutoTokenizer
 
 from engines.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+# A template that renders speaker names reads `message['name']` or `message.name`.
+TEMPLATE_NAME_FIELD = re.compile(r"""message\s*\[\s*['"]name['"]\s*\]|message\.name\b""")
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check OpenAI-style chat messages and flatten text-part content to plain strings."""
+    """Check OpenAI-style chat messages and flatten text-part content to plain strings.
+
+    OpenAI's `developer` role is its newer name for `system` instructions: it is rendered as `system`.
+    A message's optional `name` is kept (the template decides whether it can render it)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     out = []
@@ -38,7 +44,11 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
             )
-        out.append({"role": role, "content": content})
+        name = msg.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name")
+        rendered = {"role": "system" if role == "developer" else role, "content": content}
+        out.append(rendered if name is None else rendered | {"name": name})
     return out
 
 
@@ -66,6 +76,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: Any) -> list[int]:
         """Token ids of the rendered conversation, ending with the assistant's generation prompt."""
         msgs = validate_messages(messages)
+        named = next((i for i, m in enumerate(msgs) if "name" in m), None)
+        if named is not None and not TEMPLATE_NAME_FIELD.search(self.hf.chat_template):
+            raise InvalidRequestError(
+                f"messages[{named}].name is not supported: this model's chat template has no speaker names",
+                param=f"messages[{named}].name",
+            )
         text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 

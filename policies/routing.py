@@ -12,15 +12,23 @@ that last served the same conversation prefix (its KV and drafter state are warm
 request does not need the emptiest replica) unless that replica's load exceeds the least-loaded one's
 by more than `imbalance`; otherwise they too go to the least loaded. Serve's default router instead
 probes two random replicas and takes the shorter queue.
+
+Routing never fails a request: a body the router cannot read (a lone surrogate in a message, a
+malformed field) is ranked by load alone, since a router that raises leaves the caller waiting
+forever. The router also answers, read-only, which replicas its process routes to and their latest
+reported stats (`policies.live_routers`): the ingress builds its readiness and replica metrics on that.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from policies import live_routers
 
 
 def request_body(pending: PendingRequest | None) -> dict[str, Any]:
@@ -36,7 +44,8 @@ def prefix_key(body: dict[str, Any], chars: int) -> str | None:
     if not isinstance(messages, list) or not messages:
         return None
     text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages if isinstance(m, dict))
-    return hashlib.blake2b(text[:chars].encode(), digest_size=8).hexdigest()
+    # surrogatepass: a str from JSON may hold a lone surrogate, which strict UTF-8 cannot encode.
+    return hashlib.blake2b(text[:chars].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def slo_class(body: dict[str, Any]) -> str | None:
@@ -45,8 +54,15 @@ def slo_class(body: dict[str, Any]) -> str | None:
     return slo.get("class") if isinstance(slo, dict) else None
 
 
+log = logging.getLogger("ray.serve.lyanna.routing")
+
+
 class LoadAwareRouter(RequestRouter):
     """Ranks replicas by engine load; tight SLO classes get the least loaded, others prefix affinity."""
+
+    def replicas(self) -> list[RunningReplica]:
+        """The replicas Serve reports running (model loaded, health checks passed), with their stats."""
+        return list(self.curr_replicas.values())
 
     def initialize_state(
         self,
@@ -63,6 +79,7 @@ class LoadAwareRouter(RequestRouter):
         self.kv_weight = kv_weight
         self.max_prefixes = max_prefixes
         self.affinity: collections.OrderedDict[str, ReplicaID] = collections.OrderedDict()
+        live_routers.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     def load(self, replica: RunningReplica) -> float:
         """The replica's load: ongoing requests over its limit, plus weighted KV-cache use."""
@@ -77,6 +94,17 @@ class LoadAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """Replicas in order of preference, one per rank (Serve tries them in turn)."""
         ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), r.replica_id.unique_id))
+        try:
+            ranked = self._prefer_home(ranked, pending_request)
+        except Exception:  # never fail routing: the caller would wait forever
+            log.exception("prefix affinity failed; routing by load")
+        return [[r] for r in ranked]
+
+    def _prefer_home(
+        self, ranked: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[RunningReplica]:
+        """Move the replica that last served this conversation prefix to the front, unless it is
+        too loaded or the request is of a tight SLO class."""
         body = request_body(pending_request)
         key = prefix_key(body, self.prefix_chars)
         if ranked and key is not None and slo_class(body) not in self.tight_classes:
@@ -85,11 +113,14 @@ class LoadAwareRouter(RequestRouter):
             if match and self.load(match[0]) <= self.load(ranked[0]) + self.imbalance:
                 ranked.remove(match[0])
                 ranked.insert(0, match[0])
-        return [[r] for r in ranked]
+        return ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         """Remember where this prefix went."""
-        key = prefix_key(request_body(pending_request), self.prefix_chars)
+        try:
+            key = prefix_key(request_body(pending_request), self.prefix_chars)
+        except Exception:  # an unreadable body has no affinity
+            return
         if key is None:
             return
         self.affinity[key] = replica_id

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
 from policies.slo import SLOSettings
-from serve_app.ingress import Ingress
+from serve_app.ingress import Ingress, IngressSettings
 from serve_app.replica import EngineSettings, LLMReplica
 from serve_app.tracing import TracingSettings
 
@@ -21,6 +21,7 @@ class AppArgs(BaseModel):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -28,4 +29,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     parsed = AppArgs.model_validate(args or {})
     tracing, slo = parsed.tracing.model_dump(), parsed.slo.model_dump()
     replica = LLMReplica.bind(parsed.engine.model_dump(), tracing, slo)
-    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing, slo)
+    ingress = parsed.ingress.model_dump()
+    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing, slo, ingress)

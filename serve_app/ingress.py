@@ -1,26 +1,41 @@
 """The ingress deployment: FastAPI speaking OpenAI's chat-completions API in front of LLM replicas.
 
+Every answer that is not a success is OpenAI's error body (`{"error": {message, type, param, code}}`)
+with its HTTP status, and every chat response's status is counted in `lyanna_requests_total`:
+400 for a body that is not JSON or breaks the schema (strict types and OpenAI's ranges), 404 for an
+unknown model or path, 405 for a wrong method, 413 for a body over `max_request_body_bytes`, 415 for a
+body that is not JSON by its content type, 503 when every replica is saturated or the replica serving
+the request failed (with `Retry-After`), 500 for anything unforeseen. A stream whose replica fails
+ends with an error event and `[DONE]`, never a cut connection.
+
+`/health` is readiness: 200 only while at least one LLM replica has loaded its model and answers;
+`/metrics` and `/debug/engine` read the stats every running replica last reported (through the
+request router of this process's handle), so they never wait on a dead or busy replica.
+
 (No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime.)
 """
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.errors import InvalidRequestError
+from policies import live_routers
 from policies.slo import SLOSettings, SLOTarget
 from serve_app import tracing
 from serve_app.metrics import ServeMetrics
@@ -32,23 +47,94 @@ from serve_app.schemas import (
     Choice,
     ChunkChoice,
     DeltaMessage,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
     SpeculationStats,
     Usage,
+    error_param,
 )
 from serve_app.tracing import TracingSettings
 
 # A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
 # and the `extra` fields as JSON keys.
 log = logging.getLogger("ray.serve.lyanna.ingress")
-app = FastAPI(title="lyanna-serve")
+app = FastAPI(
+    title="lyanna-serve",
+    summary="OpenAI-compatible chat completions with speculative decoding (Lyanna), on Ray Serve",
+)
+CHAT_PATH = "/v1/chat/completions"
 RETRY_AFTER_S = 1  # seconds a shed client should wait (Retry-After)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+class HealthStatus(BaseModel):
+    """GET /health when ready."""
+
+    status: str = "ok"
+    ready_replicas: int = Field(description="LLM replicas that have loaded their model and answered the probe")
+
+
+class IngressSettings(BaseModel):
+    """HTTP limits of the ingress (`args.ingress` in serve_config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_request_body_bytes: int = Field(
+        default=2 * 2**20, ge=1024, description="Larger chat request bodies get 413 before they are parsed"
+    )
+    health_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long /health waits for a replica to answer before it reports 503"
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """OpenAI's error body with an HTTP status."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "server_overloaded"}.get(status, "error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    error = {"message": message, "type": kind or ERROR_TYPES.get(status, "error"), "param": param, "code": code}
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+def _retry_later(message: str, code: str) -> JSONResponse:
+    return error_response(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _count(request: Request, status: int) -> None:
+    """Count a chat-route answer given outside the handler (wrong method, framework errors)."""
+    metrics: ServeMetrics | None = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path.endswith(CHAT_PATH):
+        metrics.observe_status(status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths (404) and wrong methods (405) in OpenAI's error body."""
+    _count(request, exc.status_code)
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return error_response(exc.status_code, message, code=str(exc.detail).lower().replace(" ", "_"), headers=exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Query or path parameters that do not validate (the chat body is validated by the handler)."""
+    _count(request, 400)
+    first = exc.errors()[0]
+    return error_response(400, first["msg"], param=error_param(first), code="invalid_request")
 
 
 def _replica_header(first: dict[str, Any]) -> dict[str, str]:
@@ -83,9 +169,97 @@ def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> Non
         ("gen_ai.request.temperature", req.temperature),
         ("gen_ai.request.top_p", req.top_p),
         ("gen_ai.request.seed", req.seed),
+        ("enduser.id", req.user),
     ):
         if value is not None:
             span.set_attribute(key, value)
+
+
+async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
+    """Await with a deadline; a Serve response left behind is cancelled."""
+    try:
+        return await asyncio.wait_for(_awaited(awaitable), timeout_s)
+    except BaseException:
+        cancel = getattr(awaitable, "cancel", None)
+        if cancel is not None:
+            cancel()
+        raise
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+class _Timing:
+    """A request's clock at the ingress: start, first token, and the gaps between token deliveries."""
+
+    def __init__(self, metrics: ServeMetrics):
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    def delivered(self, item: dict[str, Any]) -> None:
+        """A delta arrived; note the time if it carries new tokens."""
+        if item["completion_tokens"] <= self.tokens:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.metrics.observe_itl(now - self.last)
+        self.last, self.tokens = now, item["completion_tokens"]
+
+
+def chat_openapi(model_name: str) -> dict[str, Any]:
+    """The OpenAPI document, with the chat route's request body, responses and errors spelled out
+    from the pydantic models (the handler reads the raw body itself to control limits and errors)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    ref = "#/components/schemas/{model}"
+    for model, mode in (
+        (ChatCompletionRequest, "validation"),
+        (ChatCompletionResponse, "serialization"),
+        (ChatCompletionChunk, "serialization"),
+        (ErrorResponse, "serialization"),
+    ):
+        schema = model.model_json_schema(ref_template=ref, mode=mode)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] = [model_name]
+
+    def error(description: str) -> dict[str, Any]:
+        content = {"application/json": {"schema": {"$ref": ref.format(model="ErrorResponse")}}}
+        return {"description": description, "content": content}
+
+    chat = doc["paths"][CHAT_PATH]["post"]
+    chat.pop("x-lyanna-chat", None)
+    chat["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": ref.format(model="ChatCompletionRequest")}}},
+    }
+    chat["responses"] = {
+        "200": {
+            "description": "The completion (JSON), or with `stream: true` server-sent events: `data:` lines "
+            "each holding a ChatCompletionChunk (or, if the replica fails mid-stream, an ErrorResponse), "
+            "then `data: [DONE]`",
+            "content": {
+                "application/json": {"schema": {"$ref": ref.format(model="ChatCompletionResponse")}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        },
+        "400": error("Not JSON, or the body breaks the schema or the model's limits"),
+        "404": error("Unknown model"),
+        "413": error("The body is larger than max_request_body_bytes"),
+        "415": error("The body is not JSON"),
+        "500": error("Internal error"),
+        "503": error("Every replica is saturated, or the replica serving the request failed; see Retry-After"),
+    }
+    app.openapi_schema = doc
+    return doc
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -100,24 +274,77 @@ class Ingress:
         drafter: str = "none",
         tracing_settings: dict[str, Any] | None = None,
         slo_settings: dict[str, Any] | None = None,
+        ingress_settings: dict[str, Any] | None = None,
     ):
         self.llm = llm.options(stream=True)
-        self.slo = SLOSettings.model_validate(slo_settings or {})
-        self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "ingress")
         self.llm_unary = llm
+        self.slo = SLOSettings.model_validate(slo_settings or {})
+        self.settings = IngressSettings.model_validate(ingress_settings or {})
+        self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "ingress")
         self.model_name = served_model_name
         self.metrics = ServeMetrics(served_model_name, drafter)
+        app.state.metrics = self.metrics
+        app.openapi = lambda: chat_openapi(served_model_name)
         self.created = int(time.time())
 
-    @app.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 once the replicas are up (Ray Serve only routes to replicas that passed their checks)."""
-        return JSONResponse({"status": "ok"})
+    # ---- the LLM replicas, as this process's request router sees them -----------------------------
+    def _router(self) -> Any | None:
+        return live_routers.router_of(self.llm_unary.app_name, self.llm_unary.deployment_name)
+
+    async def _replica_stats(self) -> list[dict[str, Any]]:
+        """The stats each running replica last reported (period: `request_routing_stats_period_s`).
+
+        Before this process has routed anything (no router yet) one replica is asked directly, with a
+        deadline, which also starts the router."""
+        router = self._router()
+        if router is not None:
+            return [r.routing_stats for r in router.replicas() if r.routing_stats]
+        try:
+            return [await _within(self.llm_unary.stats.remote(), self.settings.health_timeout_s)]
+        except Exception:
+            return []
+
+    async def _ready_replicas(self) -> tuple[int, str]:
+        """How many replicas have loaded their model and answer now, and why none do when so."""
+        timeout = self.settings.health_timeout_s
+        router = self._router()
+        if router is None:
+            try:
+                await _within(self.llm_unary.ready.remote(), timeout)
+                return 1, ""
+            except Exception as e:
+                return 0, f"no LLM replica answered within {timeout:g} s ({type(e).__name__})"
+        replicas = router.replicas()
+        if not replicas:
+            return 0, "no LLM replica is running (loading its model, or being replaced)"
+        # Serve's queue-length probe bypasses max_ongoing_requests: a busy replica answers, a dead one fails.
+        probes = [_within(r.get_queue_len(deadline_s=timeout), timeout) for r in replicas]
+        answers = await asyncio.gather(*probes, return_exceptions=True)
+        alive = sum(not isinstance(a, BaseException) for a in answers)
+        return alive, "" if alive else f"none of {len(replicas)} LLM replicas answered within {timeout:g} s"
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "No LLM replica is ready"}})
+    async def health(self) -> HealthStatus:
+        """Readiness: 200 while at least one LLM replica has loaded its model and answers, else 503."""
+        alive, why = await self._ready_replicas()
+        if not alive:
+            return error_response(503, why, code="no_ready_replica")
+        return HealthStatus(ready_replicas=alive)
 
     @app.get("/debug/engine")
     async def engine_stats(self) -> dict[str, Any]:
-        """One replica's load: running and waiting requests, free KV blocks."""
-        return await self.llm_unary.stats.remote()
+        """Load summed over the running replicas, and each replica's latest report (`replicas`)."""
+        replicas = await self._replica_stats()
+        usage = [r["kv_cache_usage"] for r in replicas]
+        return {
+            "num_replicas": len(replicas),
+            "num_running": sum(r["num_running"] for r in replicas),
+            "num_waiting": sum(r["num_waiting"] for r in replicas),
+            "kv_free_blocks": sum(r["kv_free_blocks"] for r in replicas),
+            "kv_cache_usage": sum(usage) / len(usage) if usage else 0.0,
+            "replicas": replicas,
+        }
 
     @app.get("/debug/replicas")
     async def replica_counts(self) -> dict[str, int]:
@@ -127,30 +354,32 @@ class Ingress:
         deployments = status.applications[app_name].deployments
         return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus(self) -> Response:
-        """Prometheus metrics (engine gauges refreshed from one replica)."""
-        self.metrics.observe_engine(await self.llm_unary.stats.remote())
+        """Prometheus metrics; engine gauges one series per running replica."""
+        self.metrics.observe_replicas(await self._replica_stats())
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self) -> ModelList:
         """The served model."""
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lyanna-serve"}
-        return {"object": "list", "data": [card]}
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_PATH, openapi_extra={"x-lyanna-chat": True})
     async def chat_completions(self, request: Request):
         """OpenAI chat completions, streaming (SSE) or not."""
-        start = time.perf_counter()
         span = self.tracer.start_span(f"chat {self.model_name}", kind=SpanKind.SERVER)
         span.set_attribute("gen_ai.operation.name", "chat")
+        timing = _Timing(self.metrics)
         try:
-            response = await self._chat(request, start, span)
-        except BaseException as e:
-            span.record_exception(e)
+            response = await self._chat(request, timing, span)
+        except asyncio.CancelledError:
             span.end()
             raise
+        except Exception as e:  # a fault of ours: still OpenAI's body, still counted
+            log.exception("chat completion failed")
+            span.record_exception(e)
+            response = error_response(500, f"internal error: {type(e).__name__}", code="internal_error")
         self.metrics.observe_status(response.status_code)
         span.set_attribute("http.response.status_code", response.status_code)
         if response.status_code >= 400:
@@ -163,48 +392,75 @@ class Ingress:
             span.end()  # a stream's span ends with the stream
         return response
 
-    async def _chat(self, request: Request, start: float, span: Span):
+    async def _read_body(self, request: Request) -> bytes | JSONResponse:
+        """The body, or 415/413 without reading (much of) it."""
+        media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            return error_response(415, f"the body must be JSON (content-type: application/json), got {media!r}")
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = error_response(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            return too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return too_big
+        return bytes(body)
+
+    async def _chat(self, request: Request, timing: _Timing, span: Span):
+        raw = await self._read_body(request)
+        if isinstance(raw, JSONResponse):
+            return raw
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return error_response(400, f"request body is not valid JSON: {e}")
-        try:
-            req = ChatCompletionRequest.model_validate(body)
+            req = ChatCompletionRequest.model_validate_json(raw)
         except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            return error_response(400, f"{param}: {first['msg']}", param=param, code="invalid_request")
+            first = e.errors(include_url=False)[0]
+            if first["type"] == "json_invalid":
+                return error_response(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+            param = error_param(first)
+            message = f"{param}: {first['msg']}" if param else first["msg"]
+            return error_response(400, message, param=param, code="invalid_request")
         if req.model != self.model_name:
-            return error_response(404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model")
+            return error_response(
+                404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model", "model_not_found"
+            )
         try:
             target = req.slo_target(self.slo)
         except InvalidRequestError as e:
             return error_response(400, e.message, e.param, e.code)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         _request_attributes(span, req, rid)
+        body = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
         stream = self.llm.generate.remote(body, rid, tracing.inject(span))
         try:
             first = await anext(stream)
         except BackPressureError:  # every replica busy and its queue full: shed load, ask to retry
-            response = error_response(503, "all replicas are saturated; retry later", code="server_overloaded")
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-            return response
+            return _retry_later("all replicas are saturated; retry later", "server_overloaded")
+        except Exception as e:  # the replica died or failed before answering
+            log.warning("replica failed before the first delta: %r", e, extra={"chat_id": rid})
+            return _retry_later(f"the model replica failed ({type(e).__name__}); retry later", "replica_failed")
         if "error" in first:
             stream.cancel()
             err = first["error"]
             return error_response(first["status"], err["message"], err["param"], err["code"])
-        first_time = time.perf_counter() if first["completion_tokens"] else None
+        timing.delivered(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._sse(rid, first, stream, include_usage, start, first_time, span, target)
+            events = self._sse(rid, first, stream, include_usage, timing, span, target, req.user)
             return StreamingResponse(events, media_type="text/event-stream", headers=_replica_header(first))
         text, last = first["text"], first
-        async for item in stream:
-            if first_time is None and item["completion_tokens"]:
-                first_time = time.perf_counter()
-            text += item["text"]
-            last = item
-        self._finished(span, rid, last, start, first_time, target, stream=False)
+        try:
+            while last["finish_reason"] is None:
+                last = await anext(stream)
+                timing.delivered(last)
+                text += last["text"]
+        except Exception as e:  # the replica died mid-request
+            stream.cancel()
+            log.warning("replica failed mid-request: %r", e, extra={"chat_id": rid})
+            return _retry_later(f"the model replica failed mid-request ({type(e).__name__}); retry", "replica_failed")
+        self._finished(span, rid, last, timing, target, stream=False, user=req.user)
         body = ChatCompletionResponse(
             id=rid,
             model=self.model_name,
@@ -219,24 +475,25 @@ class Ingress:
         span: Span,
         rid: str,
         last: dict[str, Any],
-        start: float,
-        first_time: float | None,
+        timing: _Timing,
         target: SLOTarget,
         stream: bool,
+        user: str | None,
     ) -> None:
         """Record a completed request: metrics (SLO attainment included), span attributes, one log line."""
         end = time.perf_counter()
-        met = self.metrics.observe_finished(last, start, first_time, end, target)
+        met = self.metrics.observe_finished(last, timing.start, timing.first, end, target)
         stats = _spec_stats(last)
         fields = {
             "chat_id": rid,
             "stream": stream,
+            "user": user,
             "finish_reason": last["finish_reason"],
             "prompt_tokens": last["prompt_tokens"],
             "completion_tokens": last["completion_tokens"],
             "accepted_tokens_per_step": round(stats.accepted_tokens_per_step, 3),
-            "ttft_ms": round((first_time - start) * 1e3, 3) if first_time is not None else None,
-            "e2e_ms": round((end - start) * 1e3, 3),
+            "ttft_ms": round((timing.first - timing.start) * 1e3, 3) if timing.first is not None else None,
+            "e2e_ms": round((end - timing.start) * 1e3, 3),
             "slo_class": target.slo_class,
             "slo_met": met,
         }
@@ -252,10 +509,10 @@ class Ingress:
         first: dict[str, Any],
         stream,
         include_usage: bool,
-        start: float,
-        first_time: float | None,
+        timing: _Timing,
         span: Span,
         target: SLOTarget,
+        user: str | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -263,7 +520,7 @@ class Ingress:
             chunk = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-        item, completed = first, False
+        item, completed, failed = first, False, False
         try:
             yield event([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
             while True:
@@ -274,15 +531,27 @@ class Ingress:
                     if include_usage:
                         yield event([], _usage(item))
                     break
-                item = await anext(stream)
-                if first_time is None and item["completion_tokens"]:
-                    first_time = time.perf_counter()
-            self._finished(span, rid, item, start, first_time, target, stream=True)
+                try:
+                    item = await anext(stream)
+                except Exception as e:  # the replica died mid-stream: tell the client, then end cleanly
+                    failed = True
+                    log.warning("replica failed mid-stream: %r", e, extra={"chat_id": rid})
+                    message = f"the model replica failed mid-stream ({type(e).__name__}); retry the request"
+                    err = ErrorDetail(message=message, type="server_error", code="replica_failed")
+                    yield f"data: {ErrorResponse(error=err).model_dump_json()}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                timing.delivered(item)
+            self._finished(span, rid, item, timing, target, stream=True, user=user)
             completed = True
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request and frees its blocks
             if not completed:  # the client went away (or the replica failed) before the last token
+                reason = "replica_failed" if failed else "client_disconnected"
+                self.metrics.observe_stream_error(reason)
                 span.set_attribute("lyanna.stream_aborted", True)
-                log.info("stream ended early; request aborted", extra={"chat_id": rid})
+                if failed:
+                    span.set_status(StatusCode.ERROR, "replica failed mid-stream")
+                log.info("stream ended early; request aborted", extra={"chat_id": rid, "reason": reason})
             span.end()

@@ -1,11 +1,13 @@
 """Prometheus metrics of the served API, labelled by model and drafter (`GET /metrics`).
 
 Request-level metrics are observed at the ingress from each request's stream: counts by status,
-TTFT, TPOT, end-to-end latency, prompt/generated tokens, accepted tokens per step, draft tokens
-proposed and accepted, and requests by SLO class and whether they met their targets (goodput).
+TTFT, TPOT, inter-token latency, queue time, end-to-end latency, prompt/generated tokens,
+preemptions, accepted tokens per step, draft tokens proposed and accepted, streams that ended early,
+and requests by SLO class and whether they met their targets (goodput).
 Replica gauges (batch size, queue length, KV-cache use, SLO attainment, and the speculation policy's
-latest choices with its predicted vs observed acceptance and step time) are refreshed from an LLM
-replica at scrape time, labelled by replica.
+latest choices with its predicted vs observed acceptance and step time) are set at scrape time from
+the stats every running replica last reported, one series per replica (`replica` label); a replica
+that is gone loses its series.
 """
 
 from __future__ import annotations
@@ -30,6 +32,30 @@ class ServeMetrics:
         self.ttft = Histogram("lyanna_ttft_seconds", "Time to first token", names, buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("lyanna_tpot_seconds", "Per output token", names, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("lyanna_e2e_seconds", "End-to-end latency", names, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(
+            "lyanna_itl_seconds",
+            "Inter-token latency: time between successive deltas carrying tokens (a verified draft's tokens arrive"
+            " together)",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "lyanna_queue_time_seconds",
+            "Time a request waited in a replica's queue before its first step",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "lyanna_preemptions", "Times requests were preempted (KV blocks reclaimed, recomputed)", names, registry=r
+        )
+        self.stream_errors = Counter(
+            "lyanna_stream_errors",
+            "Streams that ended early, by reason (client_disconnected, replica_failed)",
+            [*names, "reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("lyanna_prompt_tokens", "Prompt tokens", names, registry=r)
         self.generated_tokens = Counter("lyanna_generated_tokens", "Generated tokens", names, registry=r)
         self.accepted_per_step = Histogram(
@@ -41,16 +67,19 @@ class ServeMetrics:
         )
         self.draft_tokens = Counter("lyanna_draft_tokens", "Draft tokens proposed", names, registry=r)
         self.accepted_tokens = Counter("lyanna_draft_tokens_accepted", "Draft tokens accepted", names, registry=r)
-        self.batch_size = Gauge("lyanna_batch_size", "Running requests on a replica", names, registry=r)
-        self.queue_length = Gauge("lyanna_queue_length", "Waiting requests on a replica", names, registry=r)
-        self.kv_usage = Gauge("lyanna_kv_cache_usage", "Fraction of KV blocks in use on a replica", names, registry=r)
+        per_replica = [*names, "replica"]
+        self.batch_size = Gauge("lyanna_batch_size", "Running requests on a replica", per_replica, registry=r)
+        self.queue_length = Gauge("lyanna_queue_length", "Waiting requests on a replica", per_replica, registry=r)
+        self.kv_usage = Gauge(
+            "lyanna_kv_cache_usage", "Fraction of KV blocks in use on a replica", per_replica, registry=r
+        )
+        self.replicas = Gauge("lyanna_replicas", "LLM replicas running and reporting stats", names, registry=r)
         self.slo_requests = Counter(
             "lyanna_slo_requests",
             "Finished requests with SLO targets, by class and outcome",
             [*names, "slo_class", "met"],
             registry=r,
         )
-        per_replica = [*names, "replica"]
         self.slo_attainment = Gauge(
             "lyanna_slo_attainment", "Share of a replica's recent requests meeting targets", per_replica, registry=r
         )
@@ -86,6 +115,9 @@ class ServeMetrics:
             if item["completion_tokens"] > 1:
                 tpot = (end - first) / (item["completion_tokens"] - 1)
                 self.tpot.labels(**lb).observe(tpot)
+        if item.get("queue_s") is not None:
+            self.queue_time.labels(**lb).observe(item["queue_s"])
+        self.preemptions.labels(**lb).inc(item.get("preemptions", 0))
         met = None
         if target is not None and target.has_target:
             met = target.met(ttft, tpot)
@@ -98,17 +130,30 @@ class ServeMetrics:
             self.accepted_per_step.labels(**lb).observe(item["tokens_per_step"])
         return met
 
-    def observe_engine(self, stats: dict[str, Any]) -> None:
-        """Refresh the engine gauges from a replica's stats."""
-        self.batch_size.labels(**self.labels).set(stats["num_running"])
-        self.queue_length.labels(**self.labels).set(stats["num_waiting"])
-        self.kv_usage.labels(**self.labels).set(stats["kv_cache_usage"])
-        replica = {**self.labels, "replica": stats["replica"]}
-        if stats["slo_attainment"] is not None:
-            self.slo_attainment.labels(**replica).set(stats["slo_attainment"])
-        for key, value in stats["policy"].items():
-            if key in self.policy:
-                self.policy[key].labels(**replica).set(value)
+    def observe_itl(self, gap_s: float) -> None:
+        """One gap between successive token-carrying deltas of a request."""
+        self.itl.labels(**self.labels).observe(gap_s)
+
+    def observe_stream_error(self, reason: str) -> None:
+        """A stream that ended before its last token."""
+        self.stream_errors.labels(**self.labels, reason=reason).inc()
+
+    def observe_replicas(self, replicas: list[dict[str, Any]]) -> None:
+        """Set the engine gauges from every running replica's latest stats; drop the series of gone ones."""
+        gauges = [self.batch_size, self.queue_length, self.kv_usage, self.slo_attainment, *self.policy.values()]
+        for gauge in gauges:
+            gauge.clear()
+        self.replicas.labels(**self.labels).set(len(replicas))
+        for stats in replicas:
+            replica = {**self.labels, "replica": stats["replica"]}
+            self.batch_size.labels(**replica).set(stats["num_running"])
+            self.queue_length.labels(**replica).set(stats["num_waiting"])
+            self.kv_usage.labels(**replica).set(stats["kv_cache_usage"])
+            if stats["slo_attainment"] is not None:
+                self.slo_attainment.labels(**replica).set(stats["slo_attainment"])
+            for key, value in stats["policy"].items():
+                if key in self.policy:
+                    self.policy[key].labels(**replica).set(value)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from engines.async_engine import AsyncEngine
@@ -78,6 +79,10 @@ def stream_item(out: RequestOutput) -> dict[str, Any]:
         "accepted_tokens": out.num_accepted_tokens,
         "spec_steps": out.num_spec_steps,
         "tokens_per_step": out.tokens_per_step,
+        "preemptions": out.num_preemptions,
+        "queue_s": (
+            None if out.first_scheduled_time is None else max(0.0, out.first_scheduled_time - out.arrival_time)
+        ),
     }
 
 
@@ -103,8 +108,18 @@ def error_item(err: InvalidRequestError) -> dict[str, Any]:
 
 
 # Serve's default of 5 ongoing requests would starve continuous batching: the engine batches what it
-# is given. serve_config.yaml sets the same values; keep them in step with `max_num_seqs`.
-@serve.deployment(name="LLMReplica", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64)
+# is given. serve_config.yaml sets the same values; keep them in step with `max_num_seqs`. The request
+# router is ours by default (serve_config.yaml may set its kwargs): the ingress reads the replicas'
+# reported stats through it, every `request_routing_stats_period_s`.
+@serve.deployment(
+    name="LLMReplica",
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=32,
+    max_queued_requests=64,
+    request_router_config=RequestRouterConfig(
+        request_router_class="policies.routing:LoadAwareRouter", request_routing_stats_period_s=1
+    ),
+)
 class LLMReplica:
     """Hosts one engine; streams deltas for chat requests."""
 
@@ -238,9 +253,14 @@ class LLMReplica:
         }
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Load for the request router (policies/routing.py), polled every few seconds by Serve."""
-        s = self.engine.stats()
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage}
+        """Load for the request router (policies/routing.py), polled every `request_routing_stats_period_s`
+        by Serve; the same snapshot as `stats`, which the ingress exports per replica on /metrics."""
+        return self.stats()
+
+    def ready(self) -> bool:
+        """True once the model is loaded and the engine loop runs (the constructor loads the model)."""
+        self.check_health()
+        return True
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """SLO attainment over the last window for the autoscaling policy (policies/autoscaling.py)."""

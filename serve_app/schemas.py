@@ -1,43 +1,54 @@
 """OpenAI chat-completions request and response bodies (pydantic), and their mapping onto the engine.
 
-Structure and types are checked here (unknown fields, wrong types, empty message lists, n != 1);
-value ranges (temperature, top_p, ...) are checked by the engine's own `SamplingParams.validate` and
-`SpecParams.validate`, so the HTTP path and offline use share one set of rules and messages.
-Extensions beyond OpenAI's fields: `top_k`, `min_p`, `speculation` (drafter on/off, tree
-overrides, the speculation policy) and `slo` (a latency class or explicit targets for the policy layer).
+Requests are validated strictly, as OpenAI does: no type coercion (`"10"` is not an integer, `"yes"`
+not a boolean), OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], at most 4 stop strings, a
+seed that fits 64 bits), unknown fields rejected. The fields current OpenAI clients send are either
+honoured or, where this server cannot honour a value (tools, logprobs, penalties, JSON mode), rejected
+with a 400 that names the field; a neutral value (`presence_penalty: 0`, `logprobs: false`,
+`response_format: {"type": "text"}`) is accepted, since it asks for nothing. The engine's own
+`SamplingParams.validate` and `SpecParams.validate` check what depends on the model (vocabulary,
+context length), so the HTTP path and offline use share those rules.
+Extensions beyond OpenAI's fields: `top_k`, `min_p`, `speculation` (drafter on/off, tree overrides,
+the speculation policy) and `slo` (a latency class or explicit targets for the policy layer).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engines.errors import InvalidRequestError
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.slo import SLOSettings, SLOTarget
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):
-    """One text part of a message's content list."""
+    """One text part of a message's content list (the only part type a text model takes)."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
-    """A message of the conversation."""
+Content = Annotated[str | list[TextPart], Field(description="The text, or a list of text parts")]
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+
+class ChatMessage(_Strict):
+    """A message of the conversation. `developer` is OpenAI's newer name for `system` instructions;
+    `name` is honoured where the model's chat template renders speaker names, else a 400."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: str | None = Field(default=None, min_length=1, description="The speaker's name")
 
     def text(self) -> str:
         """The content as one string."""
@@ -45,9 +56,9 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(_Strict):
-    """OpenAI's stream_options."""
+    """OpenAI's stream_options (only with `stream: true`)."""
 
-    include_usage: bool = False
+    include_usage: bool = Field(default=False, description="A last chunk with the usage, and no choices")
 
 
 class SpeculationOptions(_Strict):
@@ -71,25 +82,89 @@ class SLOOptions(_Strict):
     tpot_ms: float | None = Field(default=None, gt=0)
 
 
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: only plain text is served (no JSON mode or schemas)."""
+
+    type: Literal["text"]
+
+
+def _neutral(name: str, value: Any, neutral: tuple[Any, ...], why: str) -> Any:
+    """Accept a field whose value asks for nothing; reject one this server cannot honour."""
+    if value not in neutral:
+        raise ValueError(f"{name}={value!r} is not supported: {why}")
+    return value
+
+
 class ChatCompletionRequest(_Strict):
     """POST /v1/chat/completions."""
 
-    model: str
+    model: str = Field(description="The served model's id (GET /v1/models)")
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0, description="Extension: 0 = off")
+    min_p: float = Field(default=0.0, ge=0, le=1, description="Extension: 0 = off")
+    seed: int | None = Field(
+        default=None, ge=INT64_MIN, le=INT64_MAX, description="Reproducible sampling, with speculation on or off"
+    )
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="Only 1 completion per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(default=None, description="End-user id, recorded in the request's trace and logs")
+    # OpenAI fields accepted only at their neutral value (see `_neutral`).
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported")
+    logprobs: bool | None = Field(default=None, description="Only false is supported")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Only 0 is supported")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Only an empty map is supported")
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Only an empty list is supported")
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = Field(default=None, description="Accepted; there are no tools to call")
+    store: bool | None = Field(default=None, description="Only false is supported: nothing is stored")
+    # Extensions.
     speculation: SpeculationOptions | None = None
     slo: SLOOptions | None = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        return _neutral(info.field_name, v, (None, 0), "only 0 (no penalty) is served")
+
+    @field_validator("logprobs", "store")
+    @classmethod
+    def _false_only(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        why = "log-probabilities are not returned" if info.field_name == "logprobs" else "completions are not stored"
+        return _neutral(info.field_name, v, (None, False), why)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        return _neutral("top_logprobs", v, (None, 0), "log-probabilities are not returned")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v:
+            raise ValueError("tools are not supported by this server")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # `stream` is declared, so validated, before
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
     def sampling_params(self, vocab_size: int) -> SamplingParams:
         """The engine's sampling settings; raises InvalidRequestError for impossible values."""
@@ -136,8 +211,39 @@ class ChatCompletionRequest(_Strict):
             raise InvalidRequestError(str(e), param="slo.class") from None
 
     def conversation(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as the chat template takes them (the engine maps `developer` to `system`)."""
+        out = []
+        for m in self.messages:
+            msg = {"role": m.role, "content": m.text()}
+            out.append(msg if m.name is None else msg | {"name": m.name})
+        return out
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    ChatMessage,
+    TextPart,
+    StreamOptions,
+    SpeculationOptions,
+    SLOOptions,
+    ResponseFormat,
+)
+_FIELD_NAMES = frozenset(
+    name for model in REQUEST_MODELS for key, f in model.model_fields.items() for name in (key, f.alias) if name
+)
+
+
+def error_param(error: dict[str, Any]) -> str | None:
+    """The request field a pydantic error is about, as `messages[0].content` (union branch tags such as
+    `str` or `list[TextPart]` dropped; an unknown field keeps its own name)."""
+    loc = error.get("loc", ())
+    parts: list[str] = []
+    for i, p in enumerate(loc):
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _FIELD_NAMES or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+            parts.append(f".{p}" if parts else p)
+    return "".join(parts) or None
 
 
 class Usage(BaseModel):
@@ -223,3 +329,19 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body."""
 
     error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lyanna-serve"
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -48,6 +48,7 @@ def replica(name: str, running: int, kv: float = 0.0, limit: int = 32):
 def router() -> LoadAwareRouter:
     r = object.__new__(LoadAwareRouter)  # the ranking needs no Serve controller
     r._replica_queue_len_cache = ReplicaQueueLengthCache()
+    r._deployment_id = DeploymentID(name="LLMReplica", app_name="llm")
     r.initialize_state(tight_classes=["interactive"], imbalance=0.25)
     return r
 
@@ -77,6 +78,30 @@ async def _router_ranking():
     ranks = await r.choose_replicas([a, b, c], pending("hello"))
     assert ranks[0][0] is c and ranks[-1][0] is a  # 0.625 is beyond the imbalance: affinity yields
     assert prefix_key(pending("hello").args[0], 512) != prefix_key(pending("hullo").args[0], 512)
+
+
+def test_router_never_fails_on_a_body_it_cannot_read():
+    asyncio.run(_unreadable_bodies())
+
+
+async def _unreadable_bodies():
+    r = router()
+    a, c = replica("a", 8), replica("c", 4)
+    surrogate = pending("\ud800 hi")  # valid JSON ("\ud800"), not encodable as UTF-8
+    assert prefix_key(surrogate.args[0], 512) != prefix_key(pending("\ud801 hi").args[0], 512)
+    r.on_request_routed(surrogate, a.replica_id, None)
+    assert (await r.choose_replicas([a, c], surrogate))[0][0] is a  # affinity still works for it
+    odd = SimpleNamespace(args=[{"messages": [{"role": "user", "content": "x"}], "slo": {"class": ["unhashable"]}}])
+    ranks = await r.choose_replicas([a, c], odd)  # the affinity step raises inside: ranked by load alone
+    assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a"]
+    r.on_request_routed(odd, c.replica_id, None)
+
+
+def test_the_ingress_finds_the_router_of_its_process():
+    from policies import live_routers
+
+    r = router()
+    assert live_routers.router_of("llm", "LLMReplica") is r
 
 
 def context(n: int, ongoing: float, attainment: float | None, requests: float, state: dict, now: float):

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from engines.errors import InvalidRequestError
 from engines.spec_params import SpecParams
-from serve_app.schemas import ChatCompletionChunk, ChatCompletionRequest, ErrorResponse
+from serve_app.schemas import ChatCompletionChunk, ChatCompletionRequest, ErrorResponse, error_param
 
 VOCAB = 49152
 BASE = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]}
@@ -59,6 +59,21 @@ def test_full_request_maps_onto_engine_settings():
         BASE | {"logprobs_please": True},  # unknown field
         BASE | {"speculation": {"depth": "deep"}},
         BASE | {"slo": {"tpot_ms": -5}},
+        BASE | {"n": 3},
+        BASE | {"temperature": -1},
+        BASE | {"temperature": 2.01},
+        BASE | {"top_p": 0},
+        BASE | {"max_tokens": 0},
+        BASE | {"max_tokens": "10"},  # no coercion, as OpenAI
+        BASE | {"stream": "yes"},
+        BASE | {"stream": 1},
+        BASE | {"seed": 2**63},
+        BASE | {"stop": ["a", "b", "c", "d", "e"]},
+        BASE | {"stream_options": {"include_usage": True}},  # without stream
+        BASE | {"presence_penalty": 0.5},
+        BASE | {"logit_bias": {"42": 1.0}},
+        BASE | {"response_format": {"type": "json_object"}},
+        BASE | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     ],
 )
 def test_malformed_bodies_are_rejected_by_the_schema(body):
@@ -66,14 +81,48 @@ def test_malformed_bodies_are_rejected_by_the_schema(body):
         ChatCompletionRequest.model_validate(body)
 
 
+def test_errors_name_the_field_as_clients_write_it():
+    cases = {
+        '{"model": "m", "messages": [{"role": "user", "content": 3}]}': "messages[0].content",
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 3}': "stop",
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "zzz": 1}': "zzz",
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "slo": {"class": 1}}': "slo.class",
+        "[]": None,
+    }
+    for raw, param in cases.items():
+        with pytest.raises(ValidationError) as err:
+            ChatCompletionRequest.model_validate_json(raw)
+        assert error_param(err.value.errors()[0]) == param, raw
+
+
+def test_current_client_fields_are_accepted_at_neutral_values_and_developer_is_system():
+    req = ChatCompletionRequest.model_validate(
+        BASE
+        | {
+            "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "a"}],
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "logprobs": False,
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "none",
+            "store": False,
+            "stream": True,
+            "stream_options": {"include_usage": False},
+            "seed": -(2**63),
+        }
+    )
+    assert req.conversation() == [
+        {"role": "developer", "content": "Be brief."},  # the engine renders it as the system message
+        {"role": "user", "content": "hi", "name": "a"},  # the engine refuses it where the template has no names
+    ]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 3}, "n"),
-        ({"temperature": -1}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"max_tokens": 0}, "max_tokens"),
         ({"speculation": {"depth": 0}}, "speculation.depth"),
+        ({"speculation": {"width": 0}}, "speculation.width"),
     ],
 )
 def test_impossible_values_name_their_field(extra, param):

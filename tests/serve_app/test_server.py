@@ -43,7 +43,7 @@ def base_url(serve_logs):
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False)  # logical CPUs: 4 replicas
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)  # logical CPUs: 5 replicas
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     logging_config = {"encoding": "JSON", "logs_dir": str(serve_logs)}  # as serve_config.yaml, in a temp dir
     serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/", logging_config=logging_config)
@@ -53,6 +53,9 @@ def base_url(serve_logs):
     # A replica that takes one request and queues one more, for the saturation test.
     tiny = Ingress.bind(LLMReplica.options(max_ongoing_requests=1, max_queued_requests=1).bind(ENGINE), MODEL)
     serve.run(tiny, name="tiny", route_prefix="/tiny")
+    # The shipped speculation (Lyanna drafter, adaptive policy), for seeded reproducibility.
+    spec = build_app({"engine": ENGINE | {"spec_policy": "adaptive"}})
+    serve.run(spec, name="spec", route_prefix="/spec")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -129,23 +132,33 @@ def test_models_and_health(base_url):
     assert [m["id"] for m in httpx.get(f"{base_url}/v1/models").json()["data"]] == [MODEL]
 
 
+def engine_load(base_url: str) -> dict:
+    """The load fields of /debug/engine (summed over replicas, as they last reported)."""
+    now = httpx.get(f"{base_url}/debug/engine", timeout=10).json()
+    return {k: now[k] for k in ("num_replicas", "num_running", "num_waiting", "kv_free_blocks", "kv_cache_usage")}
+
+
+def wait_for_load(base_url: str, want, timeout_s: float = 30) -> dict:
+    """Poll /debug/engine until `want(load)` holds (replicas report every second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = engine_load(base_url)
+        if want(load) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.2)
+
+
 def test_client_disconnect_mid_stream_frees_the_kv_blocks(base_url):
-    idle = httpx.get(f"{base_url}/debug/engine").json()
+    idle = wait_for_load(base_url, lambda load: load["num_running"] == 0)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "stream": True, "temperature": 0.8, "seed": 1}
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as res:
         lines = res.iter_lines()
         for _ in range(6):  # a few events in: the request holds KV blocks now
             next(lines)
-        busy = httpx.get(f"{base_url}/debug/engine").json()
+        busy = wait_for_load(base_url, lambda load: load["num_running"] == 1)
     assert busy["num_running"] == 1 and busy["kv_free_blocks"] < idle["kv_free_blocks"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = httpx.get(f"{base_url}/debug/engine").json()
-        if now["num_running"] == 0 and now["kv_free_blocks"] == idle["kv_free_blocks"]:
-            break
-        time.sleep(0.2)
-    load = ("num_running", "num_waiting", "kv_free_blocks", "kv_cache_usage")
-    assert {k: now[k] for k in load} == {k: idle[k] for k in load}
+    now = wait_for_load(base_url, lambda load: load == idle)
+    assert now == idle
 
 
 def test_sixteen_concurrent_streams_across_two_replicas_match_offline(base_url):
@@ -180,7 +193,10 @@ def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
         model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"slo": {"class": "batch"}}
     )  # 20 s TTFT, 0.4 s TPOT: met
     httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 2})
-    text = httpx.get(f"{base_url}/metrics").text
+    deadline = time.monotonic() + 15  # replica gauges are as of each replica's last report (every second)
+    while "lyanna_slo_attainment{" not in (text := httpx.get(f"{base_url}/metrics").text):
+        assert time.monotonic() < deadline, "no replica reported its SLO attainment"
+        time.sleep(0.2)
     labels = f'drafter="lyanna",model="{MODEL}"'
     for name in (
         "lyanna_ttft_seconds_count",
@@ -191,17 +207,41 @@ def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
         "lyanna_accepted_tokens_per_step_count",
         "lyanna_draft_tokens_total",
         "lyanna_draft_tokens_accepted_total",
-        "lyanna_batch_size",
-        "lyanna_queue_length",
-        "lyanna_kv_cache_usage",
+        "lyanna_itl_seconds_count",
+        "lyanna_queue_time_seconds_count",
+        "lyanna_preemptions_total",
+        "lyanna_replicas",
     ):
         assert f"{name}{{{labels}}}" in text, name
+    for name in ("lyanna_batch_size", "lyanna_queue_length", "lyanna_kv_cache_usage"):
+        assert f'{name}{{{labels},replica="' in text, name
     count = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("lyanna_")}
     assert count[f'lyanna_requests_total{{{labels},status="200"}}'] >= 1
     assert count[f'lyanna_requests_total{{{labels},status="400"}}'] >= 1
     assert count[f"lyanna_generated_tokens_total{{{labels}}}"] >= 8
     assert count[f'lyanna_slo_requests_total{{drafter="lyanna",met="true",model="{MODEL}",slo_class="batch"}}'] >= 1
     assert any(k.startswith("lyanna_slo_attainment{") and v == 1.0 for k, v in count.items())
+
+
+def test_engine_gauges_and_debug_engine_cover_every_replica(base_url):
+    load = wait_for_load(f"{base_url}/two", lambda load: load["num_replicas"] == 2)
+    assert load["num_replicas"] == 2 and load["num_running"] == 0
+    replicas = httpx.get(f"{base_url}/two/debug/engine", timeout=10).json()["replicas"]
+    text = httpx.get(f"{base_url}/two/metrics", timeout=10).text
+    gauges = [line for line in text.splitlines() if line.startswith("lyanna_kv_cache_usage{")]
+    assert sorted(g.split('replica="')[1].split('"')[0] for g in gauges) == sorted(r["replica"] for r in replicas)
+    assert f'lyanna_replicas{{drafter="none",model="{MODEL}"}} 2.0' in text
+
+
+def test_seeded_requests_reproduce_with_the_shipped_adaptive_speculation(base_url):
+    """Three identical seeded requests, and one with speculation off, give one completion."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 24, "temperature": 0.8, "seed": 42}
+    url = f"{base_url}/spec/v1/chat/completions"
+    texts = [httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"] for _ in range(3)]
+    off = httpx.post(url, json=body | {"speculation": {"enabled": False}}, timeout=60).json()
+    assert texts == [texts[0]] * 3 and off["choices"][0]["message"]["content"] == texts[0]
+    other = httpx.post(url, json=body | {"seed": 43}, timeout=60).json()["choices"][0]["message"]["content"]
+    assert other != texts[0]
 
 
 def test_saturated_replica_sheds_load_with_503_and_retry_after(base_url):

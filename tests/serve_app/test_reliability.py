@@ -1,0 +1,263 @@
+"""Hostile input, failures and readiness, through real Ray Serve on loopback and real HTTP.
+
+Each case of the hostile-input table is a request a careless or malicious client sends; every one
+gets OpenAI's error body with the right status, is counted on /metrics, and leaves the server
+serving. The replica-kill test kills the LLM replica under a stream and a non-streaming request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_app.app import build_app
+
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+OK = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+# Small context: any request the fuzzer invents finishes in a few seconds.
+ENGINE = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128, "drafter": "none"}
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll_health(url: str, until: int, timeout_s: float) -> list[tuple[float, int]]:
+    """GET /health every 0.25 s until it answers `until` (or time runs out); (seconds, status) seen."""
+    start, seen = time.monotonic(), []
+    while time.monotonic() - start < timeout_s:
+        try:
+            status = httpx.get(f"{url}/health", timeout=10).status_code
+        except httpx.HTTPError:
+            status = 0  # no answer at all
+        seen.append((round(time.monotonic() - start, 2), status))
+        if status == until:
+            break
+        time.sleep(0.25)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    # A replica that loads its model slowly enough to be seen loading: the ingress comes up first.
+    seen: list[tuple[float, int]] = []
+    watcher = threading.Thread(target=lambda: seen.extend(poll_health(f"{url}/rel", 200, 180)))
+    watcher.start()
+    serve.run(build_app({"engine": ENGINE, "ingress": {"health_timeout_s": 1.0}}), name="rel", route_prefix="/rel")
+    watcher.join()
+    serve.run(build_app({"engine": ENGINE, "ingress": {"health_timeout_s": 1.0}}), name="kill", route_prefix="/kill")
+    yield url, seen
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture
+def url(base_url) -> str:
+    return f"{base_url[0]}/rel"
+
+
+def post(url: str, body: bytes | dict, headers: dict[str, str] | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"} | (headers or {})
+    return httpx.post(f"{url}/v1/chat/completions", content=content, headers=headers, timeout=60)
+
+
+def with_(**fields) -> dict:
+    return OK | fields
+
+
+# (label, body, extra headers, status, param): the README's hostile-input table.
+HOSTILE = [
+    ("lone surrogate in content", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+     % MODEL.encode(), {}, 400, None),
+    ("invalid UTF-8", b'{"model": "\xff\xfe"}', {}, 400, None),
+    ("JSON nested 10,000 deep", b'{"model": "m", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", {}, 400, None),
+    ("not JSON", b"{not json", {}, 400, None),
+    ("JSON array, not an object", b"[]", {}, 400, None),
+    ("seed = 2**70", with_(seed=2**70), {}, 400, "seed"),
+    ('max_tokens = "10"', with_(max_tokens="10"), {}, 400, "max_tokens"),
+    ("max_tokens = 0", with_(max_tokens=0), {}, 400, "max_tokens"),
+    ('stream = "yes"', with_(stream="yes"), {}, 400, "stream"),
+    ("temperature = 2.5", with_(temperature=2.5), {}, 400, "temperature"),
+    ("top_p = 0", with_(top_p=0), {}, 400, "top_p"),
+    ("stream_options without stream", with_(stream_options={"include_usage": True}), {}, 400, "stream_options"),
+    ("five stop strings", with_(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
+    ("n = 2", with_(n=2), {}, 400, "n"),
+    ("unknown field", with_(logprobs_please=True), {}, 400, "logprobs_please"),
+    ("tool role", with_(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0].role"),
+    ("image part", with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400,
+     "messages[0].content"),
+    ("message name (template has none)", with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]), {},
+     400, "messages[0].name"),
+    ("presence_penalty = 1", with_(presence_penalty=1), {}, 400, "presence_penalty"),
+    ("logprobs = true", with_(logprobs=True), {}, 400, "logprobs"),
+    ("tools", with_(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    ("JSON mode", with_(response_format={"type": "json_object"}), {}, 400, "response_format.type"),
+    ("prompt over the context", with_(messages=[{"role": "user", "content": "word " * 400}]), {}, 400, "messages"),
+    ("max_tokens over the context", with_(max_tokens=100_000), {}, 400, "max_tokens"),
+    ("unknown model", with_(model="gpt-9"), {}, 404, "model"),
+    ("unknown SLO class", with_(slo={"class": "gold"}), {}, 400, "slo.class"),
+    ("text/plain body", OK, {"content-type": "text/plain"}, 415, None),
+    ("3 MiB body", b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 3 * 2**20 + b'"}]}', {}, 413,
+     None),
+]
+
+
+@pytest.mark.parametrize(("label", "body", "headers", "status", "param"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_gets_an_openai_error(url, label, body, headers, status, param):
+    start = time.monotonic()
+    res = post(url, body, headers)
+    assert res.status_code == status, res.text
+    err = res.json()["error"]
+    assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert time.monotonic() - start < 10  # rejected up front, not after parsing or tokenizing at length
+
+
+def test_a_streamed_oversized_body_without_content_length_is_cut_at_the_limit(url):
+    def chunks():
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(64):
+            yield b"a" * 2**16  # 4 MiB in all, sent chunked
+        yield b'"}]}'
+
+    res = httpx.post(f"{url}/v1/chat/completions", content=chunks(), timeout=60)
+    assert res.status_code == 413 and res.json()["error"]["code"] == "request_too_large"
+
+
+def test_wrong_method_and_unknown_path_are_openai_errors(url):
+    res = httpx.get(f"{url}/v1/chat/completions")
+    assert res.status_code == 405 and res.json()["error"]["code"] == "method_not_allowed"
+    res = httpx.get(f"{url}/v1/nothing-here")
+    assert res.status_code == 404 and res.json()["error"]["type"] == "not_found_error"
+
+
+def test_current_clients_fields_are_honoured_or_neutral(url):
+    # `developer` is OpenAI's newer name for system instructions: rendered as the system message.
+    as_system = post(url, with_(messages=[{"role": "system", "content": "Answer in French."}, *MESSAGES]))
+    as_developer = post(url, with_(messages=[{"role": "developer", "content": "Answer in French."}, *MESSAGES]))
+    assert as_developer.status_code == as_system.status_code == 200
+    content = [r.json()["choices"][0]["message"]["content"] for r in (as_system, as_developer)]
+    assert content[0] == content[1]
+    # Neutral values of unsupported features ask for nothing and are accepted.
+    neutral = with_(
+        presence_penalty=0, frequency_penalty=0, logprobs=False, response_format={"type": "text"}, tools=[],
+        tool_choice="none", store=False, user="u-1", max_completion_tokens=4,
+    )
+    assert post(url, neutral).status_code == 200
+
+
+def test_every_status_is_counted_and_the_server_keeps_serving(url):
+    for body, headers in ((OK, {"content-type": "text/plain"}), (b"{", {}), (OK, {})):
+        post(url, body, headers)
+    httpx.get(f"{url}/v1/chat/completions")
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("lyanna_req")}
+    for status in ("200", "400", "405", "415"):
+        assert counts[f'lyanna_requests_total{{drafter="none",model="{MODEL}",status="{status}"}}'] >= 1, status
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_openapi_describes_the_chat_request_and_its_errors(url):
+    doc = httpx.get(f"{url}/openapi.json").json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    body = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    props = doc["components"]["schemas"][body]["properties"]
+    assert {"model", "messages", "temperature", "max_tokens", "stream", "seed"} <= set(props)
+    assert props["temperature"]["maximum"] == 2 and props["model"]["enum"] == [MODEL]
+    assert {"200", "400", "404", "413", "415", "503"} <= set(chat["responses"])
+    assert httpx.get(f"{url}/docs").status_code == 200
+
+
+def test_health_is_red_until_the_model_is_loaded(base_url):
+    _, seen = base_url  # polled while the application was deployed
+    statuses = [s for _, s in seen]
+    assert statuses[-1] == 200
+    first_ok = statuses.index(200)
+    assert 503 in statuses[:first_ok], seen  # the ingress was up and said "not ready" while the model loaded
+
+
+def test_schemathesis_finds_no_server_error_or_schema_violation(url, tmp_path):
+    """A bounded fuzzing run against the served OpenAPI document (every operation, negative data too)."""
+    cmd = [
+        sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json",
+        "--checks", "not_a_server_error,status_code_conformance,content_type_conformance,"
+        "response_schema_conformance,negative_data_rejection",
+        "--max-examples", "12", "--max-time", "100", "--seed", "1", "--request-timeout", "60",
+        "--phases", "examples,coverage,fuzzing", "--exclude-path", "/debug/replicas",
+        "--report", "junit", "--report-dir", str(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+def _kill_llm_replica(app: str) -> None:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    (name,) = [n for n in names if n.startswith(f"SERVE_REPLICA::{app}#LLMReplica#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def test_killing_the_replica_fails_health_ends_requests_cleanly_and_recovers(base_url):
+    url = f"{base_url[0]}/kill"
+    assert poll_health(url, 200, 60)[-1][1] == 200
+    long = with_(max_tokens=80, messages=[{"role": "user", "content": "Tell a long story about the sea."}])
+    events: list[str] = []
+    started = threading.Event()
+    unary: list[httpx.Response] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=long | {"stream": True}, timeout=120) as res:
+            for line in res.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) >= 3:
+                    started.set()
+
+    def whole() -> None:
+        unary.append(httpx.post(f"{url}/v1/chat/completions", json=long, timeout=120))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    killed = time.monotonic()
+    _kill_llm_replica("kill")
+    for t in threads:
+        t.join(120)
+    # The stream ends with an error event and [DONE], not a cut connection.
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "replica_failed" and error["type"] == "server_error"
+    # The non-streaming request gets OpenAI's error body: retry later.
+    assert unary[0].status_code == 503, unary[0].text
+    assert unary[0].json()["error"]["code"] == "replica_failed" and unary[0].headers["retry-after"] == "1"
+    # Health goes red, then green once Serve has replaced the replica, and requests are served again.
+    seen = poll_health(url, 503, 60) + poll_health(url, 200, 180)
+    assert 503 in [s for _, s in seen] and seen[-1][1] == 200, seen
+    recovered = time.monotonic() - killed
+    res = post(url, OK)
+    assert res.status_code == 200, res.text
+    print(f"replica killed -> healthy again in {recovered:.1f} s; health seen: {seen[:3]} ... {seen[-2:]}")
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert f'lyanna_stream_errors_total{{drafter="none",model="{MODEL}",reason="replica_failed"}} 1.0' in text
