@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from engines.draft_tree import DraftTree
-from engines.positional_random import gumbel_for
+from engines.positional_random import gumbel_noise, seed_to_int64
 from engines.sampling import SamplingParams, processed_logprobs
 
 
@@ -231,52 +231,79 @@ class VerifyItem:
     base_position: int
 
 
+def walk_sampled_trees(
+    items: list[VerifyItem], logits: torch.Tensor, offsets: list[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The positional sampling rule on deterministic trees at temperature > 0, for all of `items` at
+    once and on the device: level by level, each request's current node draws the target's token
+    (Gumbel-max with the noise of (seed, base + level)) and moves to the child that carries it. Only
+    the visited nodes are processed and drawn (one row per request and level, not one per node).
+
+    logits: the step's [total nodes, vocab]; offsets: each item's first node row. Returns per item the
+    visited node indices (root first) and the token drawn at each: the path, and the bonus last.
+    """
+    device, vocab = logits.device, logits.shape[-1]
+    children = [it.tree.child_lists() for it in items]
+    width = max((len(c) for kids in children for c in kids), default=0) or 1
+    # [total nodes, width]: each node's children as global rows and their tokens (-1: none)
+    total = logits.shape[0]
+    child_row = torch.full((total, width), -1, dtype=torch.int64)
+    child_tok = torch.full((total, width), -1, dtype=torch.int64)
+    for it, kids, off in zip(items, children, offsets, strict=True):
+        for node, cs in enumerate(kids):
+            for k, c in enumerate(cs):
+                child_row[off + node, k] = off + c
+                child_tok[off + node, k] = it.tree.tokens[c]
+    child_row, child_tok = child_row.to(device), child_tok.to(device)
+    seeds = torch.tensor([seed_to_int64(it.seed) for it in items], dtype=torch.int64, device=device)
+    base = torch.tensor([it.base_position for it in items], dtype=torch.int64, device=device)
+    params = [it.params for it in items]
+    node = torch.tensor(offsets[: len(items)], dtype=torch.int64, device=device)  # each root
+    alive = torch.ones(len(items), dtype=torch.bool, device=device)
+    visited, drawn = [], []
+    for level in range(max(it.tree.depth for it in items) + 1):
+        logprobs = processed_logprobs(logits[node], params)
+        token = (logprobs + gumbel_noise(seeds, base + level, vocab)).argmax(-1)
+        visited.append(torch.where(alive, node, -1))
+        drawn.append(token)
+        match = (child_tok[node] == token[:, None]) & alive[:, None]  # a request that stopped stays put
+        alive = match.any(-1)
+        node = torch.where(alive, child_row[node].gather(1, match.int().argmax(-1, keepdim=True))[:, 0], node)
+    rows, tokens = torch.stack(visited, 1).tolist(), torch.stack(drawn, 1).tolist()  # the one host copy
+    paths, draws = [], []
+    for off, r, t in zip(offsets, rows, tokens, strict=True):
+        n = sum(x >= 0 for x in r)
+        paths.append([x - off for x in r[:n]])
+        draws.append(t[:n])
+    return paths, draws
+
+
 def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block") -> list[VerifyResult]:
     """Verify every request's draft of a step against the target's logits at all their nodes.
 
     logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
-    work runs once for the batch: argmax for greedy rows, and for deterministic trees at temperature
-    > 0 the Gumbel-max draw at every node (noise computed once per (request, depth) and shared by the
-    nodes of that depth); one host copy brings all those tokens back, and only the walk down each tree
-    is per request. Stochastic chains get their processed distributions and draw from their generator.
+    work runs once for the batch: argmax for greedy rows; for deterministic trees at temperature > 0
+    the level-by-level walk of `walk_sampled_trees`, which draws only at the nodes it visits, with
+    the noise of (seed, base + depth). Stochastic chains get their processed distributions and draw
+    from their generator. Greedy and sampled trees each cost one host copy.
     """
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
-    device = logits.device
-    chosen = logits.argmax(-1)  # the greedy rows' tokens; sampled tree rows are overwritten below
-    probs: dict[int, torch.Tensor] = {}
-    sampled = [i for i, it in enumerate(items) if not it.params.greedy]
-    if sampled:
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in sampled]).to(device)
-        row_params = [items[i].params for i in sampled for _ in range(sizes[i])]
-        logprobs = processed_logprobs(logits[rows], row_params)
-        local = [0, *accumulate(sizes[i] for i in sampled)]  # item's rows within logprobs
-        tree_rows: list[int] = []  # rows of logprobs that are tree nodes
-        noise_index: list[int] = []  # per tree node: its (request, depth) noise row
-        seeds: list[int] = []
-        positions: list[int] = []
-        for j, i in enumerate(sampled):
-            it = items[i]
-            if it.tree.draft_probs is not None:
-                probs[i] = logprobs[local[j] : local[j + 1]].exp()
-                continue
-            first = len(seeds)
-            seeds += [it.seed] * (it.tree.depth + 1)
-            positions += [it.base_position + d for d in range(it.tree.depth + 1)]
-            noise_index += [first + d for d in it.tree.depths]
-            tree_rows += range(local[j], local[j + 1])
-        if tree_rows:
-            noise = gumbel_for(seeds, positions, logits.shape[-1], device)
-            sel = torch.tensor(tree_rows, device=device)
-            drawn = (logprobs[sel] + noise[torch.tensor(noise_index, device=device)]).argmax(-1)
-            chosen[rows[sel]] = drawn
-    tokens = chosen.tolist()  # the one host copy of the tree rule
+    greedy = logits.argmax(-1).tolist() if any(it.params.greedy for it in items) else []
+    trees = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is None]
+    walked: dict[int, VerifyResult] = {}
+    if trees:
+        paths, draws = walk_sampled_trees([items[i] for i in trees], logits, [offsets[i] for i in trees])
+        for i, path, draw in zip(trees, paths, draws, strict=True):
+            walked[i] = VerifyResult(path, draw[-1])
     results = []
     for i, it in enumerate(items):
         if it.params.greedy:
-            results.append(verify_greedy(it.tree, tokens[offsets[i] : offsets[i + 1]]))
+            results.append(verify_greedy(it.tree, greedy[offsets[i] : offsets[i + 1]]))
         elif it.tree.draft_probs is not None:
-            results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs[i], TorchRng(it.generator)))
+            rows = torch.arange(offsets[i], offsets[i + 1], device=logits.device)
+            probs = processed_logprobs(logits[rows], [it.params] * sizes[i]).exp()
+            results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs, TorchRng(it.generator)))
         else:
-            results.append(verify_tree_sampled(it.tree, tokens[offsets[i] : offsets[i + 1]]))
+            results.append(walked[i])
     return results
