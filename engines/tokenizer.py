@@ -77,7 +77,8 @@ class Tokenizer:
         """Token ids of the rendered conversation, ending with the assistant's generation prompt."""
         msgs = validate_messages(messages)
         named = next((i for i, m in enumerate(msgs) if "name" in m), None)
-        if named is not None and not TEMPLATE_NAME_FIELD.search(self.hf.chat_template):
+        template = self.hf.chat_template if isinstance(self.hf.chat_template, str) else ""
+        if named is not None and not TEMPLATE_NAME_FIELD.search(template):
             raise InvalidRequestError(
                 f"messages[{named}].name is not supported: this model's chat template has no speaker names",
                 param=f"messages[{named}].name",

@@ -30,9 +30,11 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engines.errors import InvalidRequestError
 from policies import live_routers
@@ -111,6 +113,7 @@ def error_response(
 
 
 def _retry_later(message: str, code: str) -> JSONResponse:
+    """503 with Retry-After."""
     return error_response(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -173,6 +176,30 @@ def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> Non
     ):
         if value is not None:
             span.set_attribute(key, value)
+
+
+def _replica_failure(e: Exception, when: str) -> tuple[int, str, str]:
+    """(status, code, message) for a replica call that raised: the replica process died or became
+    unreachable (retryable: 503) or raised inside (a fault of ours: 500)."""
+    if isinstance(e, RayActorError | ActorUnavailableError):
+        return 503, "replica_failed", f"the model replica failed {when} ({type(e).__name__}); retry the request"
+    return 500, "internal_error", f"the model replica raised {when} ({type(e).__name__})"
+
+
+def _failed(e: Exception, when: str) -> JSONResponse:
+    status, code, message = _replica_failure(e, when)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return error_response(status, message, code=code, headers=headers)
+
+
+async def _started(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`first` (already produced by `rest`), then the rest of `rest`, which is closed in any case."""
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()
 
 
 async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
@@ -403,10 +430,13 @@ class Ingress:
         if declared.isdigit() and int(declared) > limit:
             return too_big
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return too_big
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    return too_big
+        except ClientDisconnect:  # nobody is left to answer; 499 is nginx's "client closed request"
+            return error_response(499, "the client closed the connection while sending the body")
         return bytes(body)
 
     async def _chat(self, request: Request, timing: _Timing, span: Span):
@@ -440,7 +470,7 @@ class Ingress:
             return _retry_later("all replicas are saturated; retry later", "server_overloaded")
         except Exception as e:  # the replica died or failed before answering
             log.warning("replica failed before the first delta: %r", e, extra={"chat_id": rid})
-            return _retry_later(f"the model replica failed ({type(e).__name__}); retry later", "replica_failed")
+            return _failed(e, "before answering")
         if "error" in first:
             stream.cancel()
             err = first["error"]
@@ -449,7 +479,11 @@ class Ingress:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._sse(rid, first, stream, include_usage, timing, span, target, req.user)
-            return StreamingResponse(events, media_type="text/event-stream", headers=_replica_header(first))
+            # Started here, so its clean-up (cancel the replica call, end the span) runs even if the
+            # client leaves before starlette iterates it.
+            role_chunk = await anext(events)
+            body = _started(role_chunk, events)
+            return StreamingResponse(body, media_type="text/event-stream", headers=_replica_header(first))
         text, last = first["text"], first
         try:
             while last["finish_reason"] is None:
@@ -459,7 +493,7 @@ class Ingress:
         except Exception as e:  # the replica died mid-request
             stream.cancel()
             log.warning("replica failed mid-request: %r", e, extra={"chat_id": rid})
-            return _retry_later(f"the model replica failed mid-request ({type(e).__name__}); retry", "replica_failed")
+            return _failed(e, "mid-request")
         self._finished(span, rid, last, timing, target, stream=False, user=req.user)
         body = ChatCompletionResponse(
             id=rid,
@@ -536,8 +570,8 @@ class Ingress:
                 except Exception as e:  # the replica died mid-stream: tell the client, then end cleanly
                     failed = True
                     log.warning("replica failed mid-stream: %r", e, extra={"chat_id": rid})
-                    message = f"the model replica failed mid-stream ({type(e).__name__}); retry the request"
-                    err = ErrorDetail(message=message, type="server_error", code="replica_failed")
+                    _, code, message = _replica_failure(e, "mid-stream")
+                    err = ErrorDetail(message=message, type="server_error", code=code)
                     yield f"data: {ErrorResponse(error=err).model_dump_json()}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -548,7 +582,7 @@ class Ingress:
         finally:
             stream.cancel()  # a client that went away: the replica aborts the request and frees its blocks
             if not completed:  # the client went away (or the replica failed) before the last token
-                reason = "replica_failed" if failed else "client_disconnected"
+                reason = "replica_failed" if failed else "client_disconnected"  # or the server raised
                 self.metrics.observe_stream_error(reason)
                 span.set_attribute("lyanna.stream_aborted", True)
                 if failed:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
@@ -31,7 +31,7 @@ from engines.request import RequestOutput
 from engines.spec_params import SpecParams
 from policies.slo import SLOSettings, SLOTarget, SLOTracker
 from serve_app import tracing
-from serve_app.schemas import ChatCompletionRequest
+from serve_app.schemas import ChatCompletionRequest, error_param
 from serve_app.tracing import TracingSettings
 
 # A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
@@ -160,6 +160,13 @@ class LLMReplica:
                     req.conversation(), params, request_id, spec=spec, tpot_target_s=target.tpot_s
                 )
                 last = await anext(stream)
+            except ValidationError as e:  # a caller other than our ingress (which validated already)
+                first = e.errors(include_url=False)[0]
+                param = error_param(first)
+                err = InvalidRequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+                error = err.message
+                yield error_item(err)
+                return
             except InvalidRequestError as e:
                 error = e.message
                 yield error_item(e)

@@ -49,6 +49,13 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
     name: str | None = Field(default=None, min_length=1, description="The speaker's name")
+    # What the openai client's `message.model_dump()` carries when an assistant turn is replayed:
+    # accepted when empty, since they say nothing (tool calls and audio are not served).
+    refusal: None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
 
     def text(self) -> str:
         """The content as one string."""
@@ -102,16 +109,18 @@ class ChatCompletionRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI: max_completion_tokens")
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2, description="0 = greedy")
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, description="Extension: 0 = off")
-    min_p: float = Field(default=0.0, ge=0, le=1, description="Extension: 0 = off")
+    # OpenAI's optional fields may also be sent as null (the openai client sends `temperature=None`
+    # as null): null means the default.
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 = greedy; null = 1")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="null = 1")
+    top_k: int | None = Field(default=None, ge=0, description="Extension: 0 or null = off")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="Extension: 0 or null = off")
     seed: int | None = Field(
         default=None, ge=INT64_MIN, le=INT64_MAX, description="Reproducible sampling, with speculation on or off"
     )
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = None
-    n: int = Field(default=1, ge=1, le=1, description="Only 1 completion per request")
-    stream: bool = False
+    n: int | None = Field(default=None, ge=1, le=1, description="Only 1 completion per request")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, description="End-user id, recorded in the request's trace and logs")
     # OpenAI fields accepted only at their neutral value (see `_neutral`).
@@ -168,15 +177,15 @@ class ChatCompletionRequest(_Strict):
 
     def sampling_params(self, vocab_size: int) -> SamplingParams:
         """The engine's sampling settings; raises InvalidRequestError for impossible values."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise InvalidRequestError(f"only n=1 is supported, got n={self.n}", param="n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             max_tokens=limit,
             stop=stop,

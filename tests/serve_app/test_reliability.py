@@ -261,3 +261,13 @@ def test_killing_the_replica_fails_health_ends_requests_cleanly_and_recovers(bas
     print(f"replica killed -> healthy again in {recovered:.1f} s; health seen: {seen[:3]} ... {seen[-2:]}")
     text = httpx.get(f"{url}/metrics", timeout=10).text
     assert f'lyanna_stream_errors_total{{drafter="none",model="{MODEL}",reason="replica_failed"}} 1.0' in text
+
+
+def test_only_a_dead_or_unreachable_replica_is_worth_a_retry():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from serve_app.ingress import _replica_failure
+
+    assert _replica_failure(ActorDiedError(), "mid-stream")[:2] == (503, "replica_failed")
+    assert _replica_failure(ActorUnavailableError("gone", None), "mid-stream")[:2] == (503, "replica_failed")
+    assert _replica_failure(RuntimeError("engine bug"), "mid-stream")[:2] == (500, "internal_error")

@@ -138,3 +138,22 @@ def test_response_bodies_serialise_like_openai():
     assert chunk.model_dump(exclude_none=True)["choices"][0] == {"index": 0, "delta": {"content": "x"}}
     err = ErrorResponse.model_validate({"error": {"message": "bad", "type": "invalid_request_error", "param": "n"}})
     assert err.model_dump()["error"]["code"] is None
+
+
+def test_nulls_and_replayed_assistant_messages_are_accepted():
+    """What the openai client sends for `temperature=None` etc., and for `message.model_dump()` replayed."""
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "top_k", "min_p", "max_tokens", "seed", "stop"])
+    replayed = {
+        "role": "assistant",
+        "content": "Hi!",
+        "refusal": None,
+        "tool_calls": [],
+        "function_call": None,
+        "audio": None,
+        "annotations": None,
+    }
+    req = ChatCompletionRequest.model_validate(BASE | nulls | {"messages": [*BASE["messages"], replayed]})
+    p = req.sampling_params(VOCAB)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens) == (1.0, 1.0, 0, 0.0, None, None)
+    with pytest.raises(ValidationError):  # a tool call is not something to replay here
+        ChatCompletionRequest.model_validate(BASE | {"messages": [replayed | {"tool_calls": [{"id": "x"}]}]})
