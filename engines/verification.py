@@ -231,16 +231,15 @@ class VerifyItem:
     base_position: int
 
 
-def walk_sampled_trees(
-    items: list[VerifyItem], logits: torch.Tensor, offsets: list[int]
-) -> tuple[list[list[int]], list[list[int]]]:
+def walk_sampled_trees(items: list[VerifyItem], logits: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     """The positional sampling rule on deterministic trees at temperature > 0, for all of `items` at
     once and on the device: level by level, each request's current node draws the target's token
     (Gumbel-max with the noise of (seed, base + level)) and moves to the child that carries it. Only
     the visited nodes are processed and drawn (one row per request and level, not one per node).
 
-    logits: the step's [total nodes, vocab]; offsets: each item's first node row. Returns per item the
-    visited node indices (root first) and the token drawn at each: the path, and the bonus last.
+    logits: the step's [total nodes, vocab]; offsets: each item's first node row. Returns, on the
+    device, [items, 2, levels]: the visited global node rows (root first, -1 once stopped) and the
+    token drawn at each (the last one drawn at a visited node is the bonus); `walked_results` reads it.
     """
     device, vocab = logits.device, logits.shape[-1]
     children = [it.tree.child_lists() for it in items]
@@ -269,13 +268,16 @@ def walk_sampled_trees(
         match = (child_tok[node] == token[:, None]) & alive[:, None]  # a request that stopped stays put
         alive = match.any(-1)
         node = torch.where(alive, child_row[node].gather(1, match.int().argmax(-1, keepdim=True))[:, 0], node)
-    rows, tokens = torch.stack(visited, 1).tolist(), torch.stack(drawn, 1).tolist()  # the one host copy
-    paths, draws = [], []
-    for off, r, t in zip(offsets, rows, tokens, strict=True):
-        n = sum(x >= 0 for x in r)
-        paths.append([x - off for x in r[:n]])
-        draws.append(t[:n])
-    return paths, draws
+    return torch.stack([torch.stack(visited, 1), torch.stack(drawn, 1)], 1)
+
+
+def walked_results(walk: list[list[list[int]]], offsets: list[int]) -> list[VerifyResult]:
+    """`walk_sampled_trees`' output, copied to the host, as each tree's accepted path and bonus."""
+    results = []
+    for off, (rows, tokens) in zip(offsets, walk, strict=True):
+        n = sum(r >= 0 for r in rows)
+        results.append(VerifyResult([r - off for r in rows[:n]], tokens[n - 1]))
+    return results
 
 
 def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block") -> list[VerifyResult]:
@@ -284,18 +286,21 @@ def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: 
     logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
     work runs once for the batch: argmax for greedy rows; for deterministic trees at temperature > 0
     the level-by-level walk of `walk_sampled_trees`, which draws only at the nodes it visits, with
-    the noise of (seed, base + depth). Stochastic chains get their processed distributions and draw
-    from their generator. Greedy and sampled trees each cost one host copy.
+    the noise of (seed, base + depth). Both come to the host in one copy. Stochastic chains get their
+    processed distributions and draw from their generator.
     """
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
-    greedy = logits.argmax(-1).tolist() if any(it.params.greedy for it in items) else []
     trees = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is None]
-    walked: dict[int, VerifyResult] = {}
+    tree_offsets = [offsets[i] for i in trees]
+    on_device = [logits.argmax(-1)]
     if trees:
-        paths, draws = walk_sampled_trees([items[i] for i in trees], logits, [offsets[i] for i in trees])
-        for i, path, draw in zip(trees, paths, draws, strict=True):
-            walked[i] = VerifyResult(path, draw[-1])
+        on_device.append(walk_sampled_trees([items[i] for i in trees], logits, tree_offsets).flatten())
+    host = torch.cat(on_device).tolist()  # the one host copy of the step's verification
+    greedy, walk = host[: len(logits)], host[len(logits) :]
+    levels = len(walk) // (2 * len(trees)) if trees else 0
+    by_tree = [[walk[k : k + levels], walk[k + levels : k + 2 * levels]] for k in range(0, len(walk), 2 * levels)]
+    walked = dict(zip(trees, walked_results(by_tree, tree_offsets), strict=True))
     results = []
     for i, it in enumerate(items):
         if it.params.greedy:

@@ -205,16 +205,12 @@ async def _started(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
 async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     """Await with a deadline; a Serve response left behind is cancelled."""
     try:
-        return await asyncio.wait_for(_awaited(awaitable), timeout_s)
+        return await asyncio.wait_for(awaitable, timeout_s)
     except BaseException:
         cancel = getattr(awaitable, "cancel", None)
         if cancel is not None:
             cancel()
         raise
-
-
-async def _awaited(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
 
 
 class _Timing:
