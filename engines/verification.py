@@ -298,9 +298,11 @@ def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: 
         on_device.append(walk_sampled_trees([items[i] for i in trees], logits, tree_offsets).flatten())
     host = torch.cat(on_device).tolist()  # the one host copy of the step's verification
     greedy, walk = host[: len(logits)], host[len(logits) :]
-    levels = len(walk) // (2 * len(trees)) if trees else 0
-    by_tree = [[walk[k : k + levels], walk[k + levels : k + 2 * levels]] for k in range(0, len(walk), 2 * levels)]
-    walked = dict(zip(trees, walked_results(by_tree, tree_offsets), strict=True))
+    walked: dict[int, VerifyResult] = {}
+    if trees:
+        levels = len(walk) // (2 * len(trees))
+        by_tree = [[walk[k : k + levels], walk[k + levels : k + 2 * levels]] for k in range(0, len(walk), 2 * levels)]
+        walked = dict(zip(trees, walked_results(by_tree, tree_offsets), strict=True))
     results = []
     for i, it in enumerate(items):
         if it.params.greedy:
