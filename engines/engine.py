@@ -16,16 +16,17 @@ from engines.attention import attention_keys
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
 from engines.errors import ContextLengthError, InvalidRequestError
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, kv_cache_dtype
 from engines.loader import load_model, parse_dtype
-from engines.model_runner import ModelRunner
+from engines.model_runner import ModelRunner, StepResult
+from engines.profiling import profile_engine
 from engines.request import FinishReason, Request, RequestOutput, RequestStatus
 from engines.sampling import SamplingParams, sample
 from engines.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engines.spec_params import SpecParams
+from engines.step_plan import StepPlan
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from engines.verification import VerifyItem, VerifyResult, verify_batch
-from policies.profiling import profile_engine
 from policies.speculation import AdaptivePolicy, AdaptiveSettings, StepRecord, make_policy
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max positions, capped by the KV cache
+    # Prompt tokens per step while other requests decode (a decode never waits behind more than one
+    # chunk); None = 256 on CPU, 2048 on GPU. With nothing decoding, prompts fill max_num_batched_tokens.
+    prefill_chunk_tokens: int | None = None
+    # "auto": the model's dtype, except fp32 on a CPU without bf16/fp16 arithmetic (AVX2), where
+    # attention over an fp32 cache runs 2-3x faster than over a bf16 one; or a dtype name.
+    kv_cache_dtype: str = "auto"
     drafter: str = "lyanna"  # "none", "ngram", "draft-model", "lyanna" or "eagle"
     # Checkpoint for drafter "draft-model" (a causal LM), "lyanna" or "eagle"; for the last two the
     # embedded target's shipped drafter when None.
@@ -128,6 +135,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.kv_cache_dtype != "auto":
+            parse_dtype(self.kv_cache_dtype)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
 
@@ -157,7 +168,8 @@ class LLMEngine:
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
         cfg = self.model_config
-        dtype = parse_dtype(config.dtype)
+        kv_setting = None if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
+        dtype = kv_cache_dtype(kv_setting, parse_dtype(config.dtype), self.device)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -168,14 +180,16 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens)
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        chunk = config.prefill_chunk_tokens or (256 if self.device.type == "cpu" else 2048)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
         self.busy_seconds = 0.0
         self.drafter: Drafter | None = make_drafter(config, self)
         self.spec_stats = SpecStats()
         self.policy = make_policy(config.spec_policy, config.adaptive)
+        self._step_other_tokens = 0  # the current step's tokens besides decoding roots (the policy's input)
         if self.drafter is not None and isinstance(self.policy, AdaptivePolicy) and config.adaptive.profile:
             profile_engine(self, self.policy)
         log.info(
@@ -303,57 +317,28 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         record = StepRecord(num_tokens=0, target_s=0.0)
-        if self.drafter is not None:
-            self._propose_drafts(record)
-        start = time.perf_counter()
-        sched = self.scheduler.schedule()
+        specs = self._plan_speculation() if self.drafter is not None else {}
+        # The scheduler grants draft budgets (and their KV blocks) before anything is drafted.
+        sched = self.scheduler.schedule({rid: spec.budget + 1 for rid, spec in specs.items()})
         if not sched.scheduled:
             return []
+        if specs:
+            self._draft(sched, specs, record)
+        start = time.perf_counter()
+        plan = StepPlan.from_scheduled(sched.scheduled, self.kv_cache)
         record.num_context = attention_keys(
             [(s.request.num_computed_tokens, s.num_new_tokens) for s in sched.scheduled]
         )
-        outputs = self._forward(sched)
-        record.num_tokens, record.target_s = sched.num_tokens, time.perf_counter() - start
+        outputs = self._forward(sched, plan)
+        record.num_tokens, record.target_s = plan.num_tokens, time.perf_counter() - start
         trees = [s.draft for s in sched.scheduled if s.draft is not None]
         record.num_trees, record.num_draft_tokens = len(trees), sum(t.num_draft for t in trees)
         self.policy.observe_step(record)
         return outputs
 
-    def _forward(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """Run the scheduled batch through the target; verify drafts, sample the rest, emit deltas."""
-        result = self.runner.execute(self.runner.inputs_for(sched))
-        self.num_forwards += 1
-        outputs = []
-        sampling: list[tuple[Request, torch.Tensor]] = []
-        drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]] = []
-        for s, logits, hidden in zip(sched.scheduled, result.logits, result.hidden, strict=True):
-            req = s.request
-            req.num_forwards += 1
-            if s.draft is not None:
-                drafted.append((s, logits, hidden))
-                continue
-            if req.spec is not None and self.drafter is not None and self.drafter.wants_hidden:
-                self.drafter.on_prefill(req, req.num_computed_tokens, hidden)
-            req.num_computed_tokens += s.num_new_tokens
-            if len(logits):
-                sampling.append((req, logits[-1]))
-        if drafted:
-            outputs.extend(self._accept_drafts(drafted))
-        if sampling:
-            reqs = [r for r, _ in sampling]
-            tokens = sample(
-                torch.stack([row for _, row in sampling]),
-                [r.params for r in reqs],
-                [r.seed for r in reqs],
-                [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn
-            )
-            for req, tok in zip(reqs, tokens.tolist(), strict=True):
-                outputs.append(self.append_tokens(req, [tok]))
-        return outputs
-
-    def _propose_drafts(self, record: StepRecord) -> None:
-        """Draft for the decoding requests that speculate, as the policy plans, within each request's
-        limits; keep the subtrees the policy allocates verification to."""
+    def _plan_speculation(self) -> dict[str, SpecParams]:
+        """The tree each decoding request that speculates would like this step, as the policy plans it
+        within the request's limits (request id -> its tree)."""
         reqs, caps, other_tokens, spans = [], [], 0, []
         for req in self.scheduler.running:
             todo = req.num_tokens - req.num_computed_tokens
@@ -367,38 +352,90 @@ class LLMEngine:
             else:
                 other_tokens += todo
         if not reqs:
-            return
+            return {}
+        self._step_other_tokens = other_tokens
         plans = self.policy.plan(reqs, caps, other_tokens, attention_keys(spans))
-        drafting = [r for r, p in zip(reqs, plans, strict=True) if p is not None]
-        specs = [p for p in plans if p is not None]
-        if not drafting:
+        return {r.request_id: p for r, p in zip(reqs, plans, strict=True) if p is not None}
+
+    def _draft(self, sched: SchedulerOutput, specs: dict[str, SpecParams], record: StepRecord) -> None:
+        """Draft for the requests granted a budget, each tree within its grant; keep the subtrees the
+        policy allocates verification to."""
+        granted = [s for s in sched.scheduled if s.draft_budget]
+        if not granted:
             return
+        drafting = [s.request for s in granted]
+        plans = []
+        for s in granted:
+            spec = specs[s.request.request_id]
+            plans.append(dataclasses.replace(spec, budget=min(spec.budget, s.draft_budget - 1)))
         start = time.perf_counter()
         record.num_read = sum(self.drafter.catch_up(drafting))  # all requests' unread context in one pass
         record.read_s = time.perf_counter() - start
         start = time.perf_counter()
-        trees = self.drafter.propose(drafting, specs)
+        trees = self.drafter.propose(drafting, plans)
         record.draft_s = time.perf_counter() - start
         record.num_drafted = len(drafting)
-        record.draft_depth = max(p.depth for p in specs)
-        record.draft_width = max(p.width for p in specs)
-        for req, tree in zip(drafting, self.policy.allocate(drafting, specs, trees, other_tokens), strict=True):
-            req.draft = tree
+        record.draft_depth = max(p.depth for p in plans)
+        record.draft_width = max(p.width for p in plans)
+        kept = self.policy.allocate(drafting, plans, trees, self._step_other_tokens)
+        for s, tree in zip(granted, kept, strict=True):
+            s.attach_draft(None if tree is None else tree.prune(s.draft_budget))
 
-    def _accept_drafts(self, drafted: list[tuple[ScheduledRequest, torch.Tensor, torch.Tensor]]) -> list[RequestOutput]:
-        """Verify the step's trees in one batch, commit each accepted path, emit accepted + bonus tokens."""
-        # A node at depth d of a tree gives the token at output index len(output_token_ids) + d.
-        items = [
-            VerifyItem(s.draft, s.request.params, s.request.generator, s.request.seed, len(s.request.output_token_ids))
-            for s, _, _ in drafted
-        ]
-        results = verify_batch(items, torch.cat([logits for _, logits, _ in drafted]), self.config.chain_verifier)
+    def _forward(self, sched: SchedulerOutput, plan: StepPlan) -> list[RequestOutput]:
+        """Run the step through the target; verify drafts, sample the rest (one host copy), emit deltas."""
+        result = self.runner.execute(plan)
+        self.num_forwards += 1
+        sampling: list[tuple[Request, int]] = []  # (request, its logits row)
+        drafted: list[tuple[ScheduledRequest, int]] = []  # (scheduled, its index in the plan)
+        for b, s in enumerate(sched.scheduled):
+            req = s.request
+            req.num_forwards += 1
+            if s.draft is not None:
+                drafted.append((s, b))
+                continue
+            if req.spec is not None and self.drafter is not None and self.drafter.wants_hidden:
+                self.drafter.on_prefill(req, req.num_computed_tokens, result.seq_hidden(b))
+            req.num_computed_tokens += s.num_new_tokens
+            if plan.logits_start[b + 1] > plan.logits_start[b]:
+                sampling.append((req, plan.logits_start[b + 1] - 1))
+        sampled: torch.Tensor | None = None
+        if sampling:
+            reqs = [r for r, _ in sampling]
+            rows = torch.tensor([row for _, row in sampling], device=result.logits.device)
+            sampled = sample(
+                result.logits.index_select(0, rows),
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn
+            )
+        verified: list[VerifyResult] = []
+        if drafted:
+            items = [
+                VerifyItem(
+                    s.draft, s.request.params, s.request.generator, s.request.seed, len(s.request.output_token_ids)
+                )
+                for s, _ in drafted
+            ]
+            logits = torch.cat([result.seq_logits(b) for _, b in drafted])
+            verified, sampled_host = verify_batch(items, logits, self.config.chain_verifier, also=sampled)
+        else:
+            sampled_host = [] if sampled is None else sampled.tolist()  # the step's one host copy
+        outputs = self._accept_drafts(drafted, verified, result) if drafted else []
+        for (req, _), tok in zip(sampling, sampled_host, strict=True):
+            outputs.append(self.append_tokens(req, [tok]))
+        return outputs
+
+    def _accept_drafts(
+        self, drafted: list[tuple[ScheduledRequest, int]], results: list[VerifyResult], step: StepResult
+    ) -> list[RequestOutput]:
+        """Commit every accepted path to the KV cache in one copy, emit accepted + bonus tokens."""
+        pairs = list(zip(drafted, results, strict=True))
+        commits = [(s.request.request_id, s.request.num_computed_tokens, r.path) for (s, _), r in pairs]
+        self.kv_cache.commit_paths(commits)
         outputs = []
-        for (s, _, hidden), result in zip(drafted, results, strict=True):
+        for (s, b), result in zip(drafted, results, strict=True):
             req, tree = s.request, s.draft
-            base = req.num_computed_tokens
-            self.kv_cache.commit_path(req.request_id, base, result.path)
-            req.num_computed_tokens = base + len(result.path)
+            req.num_computed_tokens += len(result.path)
             req.num_spec_steps += 1
             req.num_draft_tokens += tree.num_draft
             req.num_accepted_tokens += result.num_accepted
@@ -406,7 +443,9 @@ class LLMEngine:
             self.policy.observe_verified(req, tree, result.path)
             outputs.append(self.append_tokens(req, [tree.tokens[i] for i in result.path[1:]] + [result.bonus]))
             if not req.finished:
-                self.drafter.on_verified(req, tree, result, hidden[result.path])
+                hidden = step.seq_hidden(b)
+                path = torch.tensor(result.path, device=hidden.device)
+                self.drafter.on_verified(req, tree, result, hidden.index_select(0, path))
         return outputs
 
     def append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:

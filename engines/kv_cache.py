@@ -10,6 +10,26 @@ import torch
 from engines.errors import CacheCapacityError
 
 
+def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes in `dtype` natively (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16)."""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if dtype == torch.float16:
+        return getattr(cpu, "_is_amx_fp16_supported", lambda: False)()
+    return True
+
+
+def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: `setting`, or for None ("auto") the model's, except fp32 on a CPU that would
+    emulate the model's half-precision arithmetic."""
+    if setting is not None:
+        return setting
+    if device.type == "cpu" and not cpu_has_half_precision_math(model_dtype):
+        return torch.float32
+    return model_dtype
+
+
 class BlockAllocator:
     """Hands out fixed-size KV blocks from a free list and takes them back."""
 
@@ -110,28 +130,36 @@ class PagedKVCache:
             del table[keep:]
 
     @torch.no_grad()
-    def commit_path(self, seq_id: str, base: int, path: list[int]) -> None:
-        """After tree verification: move the K/V of accepted tree nodes to contiguous indices.
+    def commit_paths(self, commits: list[tuple[str, int, list[int]]]) -> None:
+        """After tree verification: move the K/V of each sequence's accepted tree nodes to contiguous
+        indices, every sequence and layer in one copy.
 
-        The tree's nodes were written at cache indices `base + node`; `path` lists the accepted
-        nodes root to leaf. Afterwards node `path[i]` sits at `base + i` for every layer and
-        storage past `base + len(path)` is released. Positions need no fix-up: a node at depth i
-        was already rotated for position `base + i`.
+        A commit (seq_id, base, path): the tree's nodes were written at cache indices `base + node`;
+        `path` lists the accepted nodes root to leaf. Afterwards node `path[i]` sits at `base + i` and
+        storage past `base + len(path)` is released. Positions need no fix-up: a node at depth i was
+        already rotated for position `base + i`.
         """
-        moves = [(base + node, base + i) for i, node in enumerate(path) if node != i]
-        if moves:
-            src = self.slots_of(seq_id, [s for s, _ in moves])
-            dst = self.slots_of(seq_id, [d for _, d in moves])
-            # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-        self.truncate(seq_id, base + len(path))
-
-    def slots_of(self, seq_id: str, indices: list[int]) -> torch.Tensor:
-        """Flat slots of arbitrary cache indices of a sequence, on the cache's device."""
-        table = self.block_tables[seq_id]
+        src: list[int] = []
+        dst: list[int] = []
         bs = self.block_size
-        return torch.tensor([table[i // bs] * bs + i % bs for i in indices], dtype=torch.long, device=self.k.device)
+        for seq_id, base, path in commits:
+            table = self.block_tables[seq_id]
+            for i, node in enumerate(path):
+                if node != i:
+                    s, d = base + node, base + i
+                    src.append(table[s // bs] * bs + s % bs)
+                    dst.append(table[d // bs] * bs + d % bs)
+        if src:
+            index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
+            # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
+            self.k[:, index[1]] = self.k[:, index[0]]
+            self.v[:, index[1]] = self.v[:, index[0]]
+        for seq_id, base, path in commits:
+            self.truncate(seq_id, base + len(path))
+
+    def commit_path(self, seq_id: str, base: int, path: list[int]) -> None:
+        """`commit_paths` for one sequence."""
+        self.commit_paths([(seq_id, base, path)])
 
     def free(self, seq_id: str) -> None:
         """Release all of a sequence's blocks (finish, abort or preemption)."""

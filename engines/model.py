@@ -105,9 +105,10 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : q_local + kv_local].view(T, heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_local + kv_local :]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim))
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
+        # The cache may hold a wider dtype than the model (fp32 where the CPU has no bf16 arithmetic).
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype))
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale).to(x.dtype))
 
 
 class MLP(nn.Module):

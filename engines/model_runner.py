@@ -1,4 +1,4 @@
-"""Runs a scheduled step on the model: builds the flat ragged batch and its attention layout."""
+"""Runs a step plan on the model: device tensors once per step, one forward over the ragged batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from engines.attention import SequenceLayout, build_attention_metadata
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
-from engines.scheduler import SchedulerOutput
+from engines.step_plan import StepPlan
 
 
 @dataclass
@@ -19,82 +19,72 @@ class StepInput:
     seq_id: str
     token_ids: list[int]
     num_cached: int  # tokens already in the cache before these
-    positions: list[int] | None = None  # None = num_cached, num_cached+1, ...
-    tree_mask: torch.Tensor | None = None  # [n, n] bool ancestor-or-self; None = causal
+    parents: list[int] | None = None  # a draft tree's parents (positions follow its depths); None = causal
     logits_rows: list[int] | None = None  # which of its tokens need logits (indices into token_ids)
 
 
 @dataclass
 class StepResult:
-    """Logits per sequence for the requested rows, and hidden states of every token."""
+    """The step's logits and hidden states, flat, with per-sequence views."""
 
-    logits: list[torch.Tensor]  # per sequence: [len(logits_rows), vocab] fp32
-    hidden: list[torch.Tensor]  # per sequence: [n, hidden]
+    logits: torch.Tensor  # [N, vocab] fp32, the plan's logits rows in order
+    hidden: torch.Tensor  # [T, hidden] every new token's last-layer hidden state
+    plan: StepPlan
+
+    def seq_logits(self, b: int) -> torch.Tensor:
+        """Sequence b's logits rows."""
+        return self.logits[self.plan.logits_start[b] : self.plan.logits_start[b + 1]]
+
+    def seq_hidden(self, b: int) -> torch.Tensor:
+        """Sequence b's hidden states, one per new token."""
+        return self.hidden[self.plan.query_start[b] : self.plan.query_start[b + 1]]
 
 
 class ModelRunner:
-    """Owns the model and KV cache tensors; turns `StepInput`s into one forward pass."""
+    """Owns the model and KV cache tensors; turns a `StepPlan` into one forward pass.
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, device: torch.device):
+    Block tables live in a persistent device buffer whose rows are overwritten each step."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, device: torch.device, max_num_seqs: int = 64):
         self.model = model
         self.kv = kv_cache
         self.device = device
+        self.block_tables = torch.zeros(max_num_seqs, 1, dtype=torch.int32, device=device)
 
-    def execute(self, inputs: list[StepInput]) -> StepResult:
-        """One target forward over all sequences' new tokens; K/V are written to the cache."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        layouts: list[SequenceLayout] = []
-        logits_index: list[int] = []
-        for inp in inputs:
-            n = len(inp.token_ids)
-            offset = len(tokens)
-            tokens.extend(inp.token_ids)
-            positions.extend(inp.positions if inp.positions is not None else range(inp.num_cached, inp.num_cached + n))
-            layouts.append(
-                SequenceLayout(self.kv.slots(inp.seq_id, 0, inp.num_cached + n), inp.num_cached, n, inp.tree_mask)
+    def _table_buffer(self, rows: int, width: int) -> torch.Tensor:
+        """The persistent block-table buffer, grown when a step needs more rows or blocks."""
+        have_rows, have_width = self.block_tables.shape
+        if rows > have_rows or width > have_width:
+            self.block_tables = torch.zeros(
+                max(rows, have_rows), max(width, 2 * have_width), dtype=torch.int32, device=self.device
             )
-            rows = inp.logits_rows if inp.logits_rows is not None else [n - 1]
-            logits_index.extend(offset + r for r in rows)
-        meta = build_attention_metadata(layouts, self.device)
-        dev = self.device
-        logits, hidden = self.model(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv,
-            torch.tensor(logits_index, dtype=torch.long, device=dev),
-        )
-        out_logits, out_hidden = [], []
-        row = tok = 0
-        for inp in inputs:
-            n_rows = len(inp.logits_rows) if inp.logits_rows is not None else 1
-            out_logits.append(logits[row : row + n_rows])
-            out_hidden.append(hidden[tok : tok + len(inp.token_ids)])
-            row += n_rows
-            tok += len(inp.token_ids)
-        return StepResult(out_logits, out_hidden)
+        return self.block_tables
 
-    def inputs_for(self, sched: SchedulerOutput) -> list[StepInput]:
-        """Step inputs: a draft tree with logits at every node, or the next chunk with logits at its end."""
-        inputs = []
-        for s in sched.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            if s.draft is not None:
-                tree = s.draft
-                inputs.append(
-                    StepInput(
-                        req.request_id,
-                        tree.tokens,
-                        start,
-                        positions=tree.positions(start),
-                        tree_mask=tree.attention_mask(),
-                        logits_rows=list(range(tree.size)),
-                    )
-                )
-                continue
-            end = start + s.num_new_tokens
-            rows = [s.num_new_tokens - 1] if end == req.num_tokens else []
-            inputs.append(StepInput(req.request_id, req.token_ids(start, end), start, logits_rows=rows))
-        return inputs
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One target forward over every sequence's new tokens; K/V are written to the cache."""
+        seqs = []
+        for b in range(plan.num_seqs):
+            lo, hi = plan.query_start[b], plan.query_start[b + 1]
+            parents = plan.parents[lo:hi] if plan.is_tree[b] else None
+            seqs.append(SequenceLayout(plan.block_tables[b], plan.num_cached[b], hi - lo, parents))
+        width = max(len(t) for t in plan.block_tables)
+        tables = self._table_buffer(plan.num_seqs, width)
+        meta = build_attention_metadata(seqs, self.kv.block_size, self.device, tables)
+        host = torch.tensor([plan.token_ids, plan.positions], dtype=torch.long)
+        ids_positions = host.to(self.device, non_blocking=True)
+        logits_index = torch.tensor(plan.logits_indices, dtype=torch.long).to(self.device, non_blocking=True)
+        logits, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
+        return StepResult(logits, hidden, plan)
+
+    def execute_inputs(self, inputs: list[StepInput]) -> StepResult:
+        """`execute` for sequences given one by one (their KV blocks already allocated)."""
+        plan = StepPlan()
+        for inp in inputs:
+            depths = None
+            if inp.parents is not None:
+                depths = []
+                for p in inp.parents:
+                    depths.append(0 if p < 0 else depths[p] + 1)
+            table = self.kv.block_tables[inp.seq_id]
+            plan.add(inp.seq_id, table, inp.num_cached, inp.token_ids, inp.parents, depths, inp.logits_rows)
+        return self.execute(plan)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.draft_tree import DraftTree
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer
@@ -66,7 +65,6 @@ class Request:
     num_preemptions: int = 0
     spec: SpecParams | None = None  # None: no speculation for this request
     tpot_target_s: float | None = None  # time-per-output-token target (SLO) the speculation policy honours
-    draft: DraftTree | None = None  # proposed for the coming step
     num_spec_steps: int = 0  # verification forwards with a draft
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted

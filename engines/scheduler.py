@@ -16,13 +16,23 @@ from engines.request import Request, RequestStatus
 class ScheduledRequest:
     """Run `num_new_tokens` of this request's tokens, starting at its `num_computed_tokens`.
 
-    With a `draft`, the request is decoding: its one new token is the draft's root and the
-    draft's other nodes ride along for verification (`num_new_tokens` counts them all).
+    A decoding request granted a `draft_budget` (tokens, root included; its KV blocks are allocated)
+    verifies a draft tree of at most that many nodes in this step: the engine asks the drafter for it
+    after scheduling and sets `draft` and `num_new_tokens` (the tree's size); without a tree the request
+    decodes its one token.
     """
 
     request: Request
     num_new_tokens: int
+    draft_budget: int = 0
     draft: DraftTree | None = None
+
+    def attach_draft(self, tree: DraftTree | None) -> None:
+        """The drafter's tree for this step (at most `draft_budget` nodes), or None: a plain decode."""
+        if tree is not None and tree.size > self.draft_budget:
+            raise ValueError(f"a draft of {tree.size} nodes exceeds the granted {self.draft_budget}")
+        self.draft = tree if tree is not None and tree.num_draft else None
+        self.num_new_tokens = self.draft.size if self.draft is not None else 1
 
 
 @dataclass
@@ -42,18 +52,26 @@ class Scheduler:
     """Decides each step which requests run and how many tokens each gets.
 
     Running requests go first, oldest first, so decodes are never starved by new prompts. A decoding
-    request's draft tree is verified in the same step when the token budget and the KV cache allow
-    it (it is pruned to the budget left, or dropped). A running request that cannot get KV blocks
-    preempts the newest running request (freeing its blocks; it recomputes later).
-    Waiting requests are admitted in arrival order while the token budget,
-    `max_num_seqs` and free blocks allow; a prompt longer than the remaining budget is prefilled in
-    chunks over several steps.
+    request that asks for a draft budget gets as much of it as the token budget and the KV cache allow
+    (blocks allocated before the drafter runs, so no draft is made to be thrown away). A running
+    request that cannot get KV blocks preempts the newest running request (freeing its blocks; it
+    recomputes later). Waiting requests are admitted in arrival order while the token budget,
+    `max_num_seqs` and free blocks allow. Prompts are read in chunks: while any request is decoding, a
+    step carries at most `prefill_chunk_tokens` prompt tokens in all, so a decode step never waits
+    behind more than one chunk; with nothing decoding, prompts fill the whole token budget.
     """
 
-    def __init__(self, kv_cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_tokens: int | None = None,
+    ):
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -65,19 +83,27 @@ class Scheduler:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts, allocating their KV blocks."""
+    def schedule(self, draft_budgets: dict[str, int] | None = None) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks. `draft_budgets`: the
+        draft tree size (root included) each decoding request would like to verify."""
+        draft_budgets = draft_budgets or {}
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prefill_budget = self.prefill_chunk_tokens if decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            draft = self._fit_draft(req, n, budget)
-            if draft is not None:
-                self.kv.allocate(req.request_id, req.num_computed_tokens + draft.size)
-                out.scheduled.append(ScheduledRequest(req, draft.size, draft))
-                budget -= draft.size
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo, budget) if todo == 1 else min(todo, budget, prefill_budget)
+            if n == 0:
+                i += 1
+                continue
+            granted = self._grant_draft(req, draft_budgets.get(req.request_id, 0), budget) if todo == 1 else 0
+            if granted:
+                self.kv.allocate(req.request_id, req.num_computed_tokens + granted)
+                out.scheduled.append(ScheduledRequest(req, granted, draft_budget=granted))
+                budget -= granted
                 i += 1
                 continue
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
@@ -90,13 +116,20 @@ class Scheduler:
                 self.kv.allocate(req.request_id, req.num_computed_tokens + n)
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
+                if todo > 1:
+                    prefill_budget -= n
                 i += 1
                 continue
             break
         # Admit new work only when nothing had to be evicted: admitting while evicting would thrash.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (
+            self.waiting
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)
             if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
                 break
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
@@ -107,20 +140,18 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+            prefill_budget -= n
         return out
 
-    def _fit_draft(self, req: Request, n: int, budget: int) -> DraftTree | None:
-        """The request's draft, pruned to the token budget, if it is decoding and the KV cache has room."""
-        draft, req.draft = req.draft, None  # a draft is good for one step only
-        if draft is None or n != 1 or budget < 2:
-            return None
-        draft = draft.prune(budget)
-        if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + draft.size):
-            return None
-        return draft
+    def _grant_draft(self, req: Request, wanted: int, budget: int) -> int:
+        """Draft tokens (root included) a decoding request may verify: what it asked for, cut to the
+        step's token budget and to the KV blocks free; 0 for none (fewer than one draft token)."""
+        have = len(self.kv.block_tables.get(req.request_id, ()))
+        room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens
+        size = min(wanted, budget, room)
+        return size if size >= 2 else 0
 
     def _preempt(self, req: Request) -> None:
-        req.draft = None
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -167,10 +167,13 @@ def block_weights(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Te
     """Block verification's capped path weights w_0..w_g and the log-ratio prefix sums s_0..s_g."""
     draft = _chain_tokens(tree)
     g = len(draft)
-    idx = torch.tensor(draft)
-    p_x = target_probs[torch.arange(g), idx].double()
-    q_x = tree.draft_probs[torch.arange(g), idx].double()
-    s = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(torch.log(p_x) - torch.log(q_x), 0)])
+    device = target_probs.device
+    idx, rows = torch.tensor(draft, device=device), torch.arange(g, device=device)
+    p_x = target_probs[rows, idx].double()
+    q_x = tree.draft_probs.to(device)[rows, idx].double()
+    s = torch.cat(
+        [torch.zeros(1, dtype=torch.float64, device=device), torch.cumsum(torch.log(p_x) - torch.log(q_x), 0)]
+    )
     w = torch.exp(s - torch.cummax(s.clamp_min(0), 0).values)  # w_t = min(1, w_{t-1} rho_t)
     return w, s
 
@@ -280,14 +283,17 @@ def walked_results(walk: list[list[list[int]]], offsets: list[int]) -> list[Veri
     return results
 
 
-def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block") -> list[VerifyResult]:
+def verify_batch(
+    items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block", also: torch.Tensor | None = None
+) -> tuple[list[VerifyResult], list[int]]:
     """Verify every request's draft of a step against the target's logits at all their nodes.
 
     logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
     work runs once for the batch: argmax for greedy rows; for deterministic trees at temperature > 0
     the level-by-level walk of `walk_sampled_trees`, which draws only at the nodes it visits, with
-    the noise of (seed, base + depth). Both come to the host in one copy. Stochastic chains get their
-    processed distributions and draw from their generator.
+    the noise of (seed, base + depth). Both come to the host in one copy, with `also` (the step's
+    other sampled tokens, [M] int64 on the device), returned as a list beside the results. Stochastic
+    chains get their processed distributions and draw from their generator.
     """
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
@@ -296,7 +302,12 @@ def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: 
     on_device = [logits.argmax(-1)]
     if trees:
         on_device.append(walk_sampled_trees([items[i] for i in trees], logits, tree_offsets).flatten())
+    extra = 0 if also is None else len(also)
+    if also is not None:
+        on_device.append(also)
     host = torch.cat(on_device).tolist()  # the one host copy of the step's verification
+    also_host = host[len(host) - extra :]
+    host = host[: len(host) - extra]
     greedy, walk = host[: len(logits)], host[len(logits) :]
     walked: dict[int, VerifyResult] = {}
     if trees:
@@ -313,4 +324,4 @@ def verify_batch(items: list[VerifyItem], logits: torch.Tensor, chain_verifier: 
             results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs, TorchRng(it.generator)))
         else:
             results.append(walked[i])
-    return results
+    return results, also_host

@@ -56,14 +56,13 @@ class DraftModelDrafter(Drafter):
         req: Request,
         tokens: list[int],
         base: int,
-        positions: list[int] | None = None,
-        mask: torch.Tensor | None = None,
+        parents: list[int] | None = None,
         rows: list[int] | None = None,
     ) -> torch.Tensor:
         rid = req.request_id
         self.kv.allocate(rid, base + len(tokens))
-        step = StepInput(rid, tokens, base, positions=positions, tree_mask=mask, logits_rows=rows)
-        return self.runner.execute([step]).logits[0][:, : self.vocab]
+        step = StepInput(rid, tokens, base, parents=parents, logits_rows=rows)
+        return self.runner.execute_inputs([step]).logits[:, : self.vocab]
 
     def _catch_up(self, req: Request) -> torch.Tensor:
         """Feed the context the draft cache has not seen (root included); logits after the root."""
@@ -105,14 +104,8 @@ class DraftModelDrafter(Drafter):
                 break
             # Re-run all draft nodes (tree-masked) on top of the cached context for the new frontier.
             rows = [n - 1 for n in new_nodes]
-            logits = self._logits(
-                req,
-                tokens[1:],
-                base,
-                positions=[base - 1 + d for d in tree.depths[1:]],
-                mask=tree.attention_mask()[1:, 1:],
-                rows=rows,
-            )
+            # Node i's parent is node i - 1 among the draft nodes; the root's children have none.
+            logits = self._logits(req, tokens[1:], base, parents=[p - 1 for p in parents[1:]], rows=rows)
             frontier = list(zip(new_nodes, logits.float().log_softmax(-1), strict=True))
         return DraftTree(tokens, parents, scores)
 

@@ -135,7 +135,7 @@ def target_hidden_states(model: LlamaModel, token_ids: list[int]) -> torch.Tenso
     device = model.embed_tokens.weight.device
     kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, model.dtype, device)
     kv.allocate("x", n)
-    meta = build_attention_metadata([SequenceLayout(kv.slots("x", 0, n), 0, n)], device)
+    meta = build_attention_metadata([SequenceLayout(kv.block_tables["x"], 0, n)], block, device)
     _, hidden = model(
         torch.tensor(token_ids, device=device),
         torch.arange(n, device=device),

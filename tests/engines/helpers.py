@@ -25,13 +25,14 @@ def forward_one(
     tokens: list[int],
     num_cached: int,
     positions: list[int] | None = None,
-    tree_mask: torch.Tensor | None = None,
+    tree_parents: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one sequence's new tokens on top of `num_cached` cached ones; logits for every new token."""
+    """Forward one sequence's new tokens on top of `num_cached` cached ones; logits for every new token.
+    `tree_parents` makes them a draft tree (each sees itself and its ancestors), else they are causal."""
     n = len(tokens)
     kv.allocate(seq_id, num_cached + n)
-    layout = SequenceLayout(kv.slots(seq_id, 0, num_cached + n), num_cached, n, tree_mask)
-    meta = build_attention_metadata([layout], "cpu")
+    layout = SequenceLayout(kv.block_tables[seq_id], num_cached, n, tree_parents)
+    meta = build_attention_metadata([layout], kv.block_size, "cpu")
     pos = torch.tensor(positions) if positions is not None else torch.arange(num_cached, num_cached + n)
     return model(torch.tensor(tokens), pos, meta, kv)
 

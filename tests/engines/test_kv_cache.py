@@ -35,17 +35,6 @@ def test_block_tables_grow_truncate_and_free():
     assert kv.allocator.num_free == 8 and "a" not in kv.block_tables
 
 
-def ancestors_mask(parents: list[int]) -> torch.Tensor:
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
 def depths(parents: list[int]) -> list[int]:
     out = []
     for p in parents:
@@ -68,13 +57,13 @@ def test_tree_write_then_commit_equals_cache_of_path_alone(engine_fp32, path):
     def cache():  # block size 4 so the tree and the path cross block boundaries
         return new_cache(model, block_size=4)
 
-    def forward(kv, seq, tokens, cached, positions, mask=None):
-        return forward_one(model, kv, seq, tokens, cached, positions, mask)
+    def forward(kv, seq, tokens, cached, positions, parents=None):
+        return forward_one(model, kv, seq, tokens, cached, positions, parents)
 
     # A: prompt, then the whole tree in one forward, then commit the accepted path.
     a = cache()
     forward(a, "s", prompt, 0, list(range(base)))
-    tree_logits, _ = forward(a, "s", tree_tokens, base, [base + d for d in depths(parents)], ancestors_mask(parents))
+    tree_logits, _ = forward(a, "s", tree_tokens, base, [base + d for d in depths(parents)], parents)
     a.commit_path("s", base, path)
     assert len(a.block_tables["s"]) == a.num_blocks_for(base + len(path))
     logits_a, _ = forward(a, "s", [nxt], base + len(path), [base + len(path)])

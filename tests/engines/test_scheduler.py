@@ -4,10 +4,14 @@ prefill, abort, stop strings, seeded sampling and rejected inputs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from engines.draft_tree import DraftTree
 from engines.errors import ContextLengthError, InvalidRequestError
-from engines.request import FinishReason
+from engines.kv_cache import PagedKVCache
+from engines.request import FinishReason, Request
 from engines.sampling import SamplingParams
+from engines.scheduler import Scheduler
 from tests.conftest import CHAT_PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -198,8 +202,8 @@ def test_prefill_and_decode_share_a_step_under_the_token_budget(make_engine):
     seen = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(*args):
+        out = schedule(*args)
         seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
         return out
 
@@ -214,3 +218,58 @@ def test_prefill_and_decode_share_a_step_under_the_token_budget(make_engine):
     assert all(sum(n for _, n in step) <= 16 for step in seen)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_prompts_wait_behind_at_most_one_chunk_while_others_decode(make_engine, reference):
+    engine = make_engine(max_num_batched_tokens=64, prefill_chunk_tokens=8)
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(*args):
+        out = schedule(*args)
+        seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    a = engine.add_request(CHAT_PROMPTS[0], GREEDY, request_id="a")
+    engine.step()
+    assert seen[-1] == [("a", 64)] or seen[-1] == [("a", a.num_prompt_tokens)]  # nothing decodes: full budget
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        engine.step()
+    b = engine.add_request(CHAT_PROMPTS[3], GREEDY, request_id="b")
+    c = engine.add_request(CHAT_PROMPTS[2], GREEDY, request_id="c")
+    done = {"a": [], "b": [], "c": []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id].extend(o.new_token_ids)
+    decode_steps = [step for step in seen[1:] if ("a", 1) in step]
+    # Steps where a decodes carry at most one chunk of prompt (b's and c's decodes are single tokens).
+    assert decode_steps and all(sum(n for _, n in step if n > 1) <= 8 for step in decode_steps)
+    assert b.num_prompt_tokens > 8 and c.num_prompt_tokens > 8  # so both really were chunked
+    assert [done["b"], done["c"]] == [reference[3], reference[2]]
+
+
+def test_draft_budgets_are_granted_before_drafting_within_tokens_and_blocks():
+    kv = PagedKVCache(1, 1, 2, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=10)
+
+    def decoding(rid: str, computed: int) -> Request:
+        req = Request(rid, list(range(computed + 1)), GREEDY, 8, frozenset(), torch.Generator(), None)
+        req.num_computed_tokens = computed
+        kv.allocate(rid, computed)
+        sched.running.append(req)
+        return req
+
+    decoding("x", 3)  # 1 block held
+    decoding("y", 6)  # 2 blocks held; 1 block left free
+    out = sched.schedule({"x": 7, "y": 7})
+    grants = {s.request.request_id: s.draft_budget for s in out.scheduled}
+    # x wants 7 tokens after its 3: the free block gives it room for 5 (3 + 5 = 8 = two blocks).
+    assert grants["x"] == 5
+    # y has 10 - 5 = 5 tokens of budget left but no free block: room for 2 in its second block.
+    assert grants["y"] == 2
+    assert kv.allocator.num_free == 0
+    with pytest.raises(ValueError):
+        out.scheduled[1].attach_draft(DraftTree.chain(1, [2, 3]))  # 3 nodes > the 2 granted
+    out.scheduled[1].attach_draft(None)
+    assert out.scheduled[1].num_new_tokens == 1 and out.scheduled[1].draft is None

@@ -303,7 +303,7 @@ def test_verify_batch_equals_per_request_verifiers():
             VerifyItem(t, p, torch.Generator().manual_seed(seed), seed + 100 * k, base)
             for k, (t, p, base) in enumerate(zip(trees, params, bases, strict=True))
         ]
-        got = verify_batch(items, logits)
+        got, _ = verify_batch(items, logits)
 
         want = [
             verify_greedy(trees[0], rows[0].argmax(-1).tolist()),
@@ -332,7 +332,7 @@ def test_batched_sampling_rule_has_the_sequential_rules_law():
     items = [VerifyItem(tree, params, torch.Generator(), seed, 7) for seed in range(n)]
     logits = probs.float().log().repeat(n, 1)
     counts: dict[tuple, int] = defaultdict(int)
-    for res in verify_batch(items, logits):
+    for res in verify_batch(items, logits)[0]:
         counts[(tuple(res.path), res.bonus)] += 1
     assert set(counts) <= set(want)
     for key, p in want.items():

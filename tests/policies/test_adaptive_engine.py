@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engines.engine import EngineConfig, LLMEngine
+from engines.profiling import TREE_WEIGHT
 from engines.sampling import SamplingParams
-from policies.profiling import TREE_WEIGHT
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
