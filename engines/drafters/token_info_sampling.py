@@ -7,11 +7,15 @@ table lookup. Every frontier node contributes its top-k children to the tree; on
 with the highest joint probability become the next frontier, so the tree grows by k^2 nodes per
 depth rather than exponentially. Re-sampling reuses the logits of the depths past a rejection with
 the bonus token's information, building a new tree without another drafter forward.
+
+`build_subtrees` runs Algorithm 1 for many requests at once on the logits' device, with a single
+device-to-host copy; `build_subtree` is the one-request reference it must match node for node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import groupby
 
 import torch
 
@@ -63,6 +67,114 @@ def build_subtree(
         index = torch.tensor(keep, device=logits.device)
         frontier_tokens, frontier_scores = new_tokens[index], joint[index]
     return DraftTree(tokens, parents, scores)
+
+
+class TreeLevels:
+    """Draft-tree levels grown on the device for several requests, brought to the host in one copy.
+
+    Each `add` appends one depth's new nodes for some requests; a request's levels must be added in
+    depth order. `trees` copies everything to the host at once and builds the `DraftTree`s there.
+    """
+
+    def __init__(self, roots: Sequence[int]):
+        self.roots = list(roots)
+        self.blocks: list[tuple[list[int], torch.Tensor]] = []  # (request indices, [n, 3, w] int32)
+
+    def add(self, rows: list[int], tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> None:
+        """New nodes of requests `rows`: tokens, parent node indices and joint scores, each [len(rows), w]."""
+        packed = torch.stack([tokens.int(), parents.int(), scores.float().view(torch.int32)], dim=1)
+        self.blocks.append((rows, packed))
+
+    def trees(self) -> list[DraftTree]:
+        """One tree per root, from a single device-to-host copy of every level."""
+        tokens = [[root] for root in self.roots]
+        parents = [[-1] for _ in self.roots]
+        scores = [[1.0] for _ in self.roots]
+        if self.blocks:
+            host = torch.cat([packed.flatten() for _, packed in self.blocks]).cpu()  # the one copy
+            ints, floats = host.tolist(), host.view(torch.float32).tolist()
+            offset = 0
+            for rows, packed in self.blocks:
+                w = packed.shape[2]
+                for r in rows:
+                    tokens[r] += ints[offset : offset + w]
+                    parents[r] += ints[offset + w : offset + 2 * w]
+                    scores[r] += floats[offset + 2 * w : offset + 3 * w]
+                    offset += 3 * w
+        return [DraftTree(t, p, s) for t, p, s in zip(tokens, parents, scores, strict=True)]
+
+
+def next_frontier(joint: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_candidates` for each row of joint scores [n, c]: [n, k] candidate indices, ascending."""
+    order = joint.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=-1).values
+
+
+def build_subtrees(
+    logits: Sequence[torch.Tensor],
+    roots: Sequence[int],
+    token_info: TokenInfo | None,
+    widths: Sequence[int],
+    d2t: torch.Tensor | None = None,
+) -> list[DraftTree]:
+    """`build_subtree` for several requests at once: request r's logits are [steps_r, vocab], its
+    width widths[r]; the same trees, node for node.
+
+    Requests of one width grow together, every depth in tensor operations on the logits' device
+    (a request with fewer steps stops growing); the trees come to the host in one copy at the end.
+    """
+    steps = [lg.shape[0] for lg in logits]
+    # Requests of one width form a contiguous run, most steps first, so a depth's growing requests
+    # are a prefix of their run.
+    order = sorted((r for r in range(len(roots)) if steps[r] > 0), key=lambda r: (widths[r], -steps[r]))
+    levels = TreeLevels(roots)
+    if not order:
+        return levels.trees()
+    device = logits[order[0]].device
+    root_tokens = torch.tensor([roots[r] for r in order], device=device)  # one host-to-device copy
+    start = 0
+    for k, members in groupby(order, key=lambda r: widths[r]):
+        group = list(members)
+        padded = torch.nn.utils.rnn.pad_sequence([logits[r] for r in group], batch_first=True).float()
+        roots_k = root_tokens[start : start + len(group)]
+        _grow_levels(levels, group, padded, [steps[r] for r in group], roots_k, token_info, k, d2t)
+        start += len(group)
+    return levels.trees()
+
+
+def _grow_levels(
+    levels: TreeLevels,
+    rows: list[int],
+    logits: torch.Tensor,
+    steps: list[int],
+    roots: torch.Tensor,
+    token_info: TokenInfo | None,
+    k: int,
+    d2t: torch.Tensor | None,
+) -> None:
+    """Algorithm 1 for requests of one width, `steps` descending: logits [n, max steps, vocab], roots [n]."""
+    vocab = logits.shape[2]
+    frontier_tokens = roots.unsqueeze(1)  # [n, F]
+    frontier_nodes = torch.zeros_like(frontier_tokens)
+    frontier_scores = torch.ones(frontier_tokens.shape, device=logits.device)
+    first_new = 1
+    for step in range(steps[0]):
+        a = sum(1 for s in steps if s > step)  # requests still growing
+        f = frontier_tokens.shape[1]
+        raw = logits[:a, step].unsqueeze(1)  # [a, 1, vocab]
+        z = raw if token_info is None else raw + token_info(frontier_tokens[:a].flatten()).float().view(a, f, vocab)
+        top_z, top_tok = z.topk(k, dim=-1)  # [a, F or 1, k]
+        top_p = (top_z - z.logsumexp(-1, keepdim=True)).exp().expand(a, f, k)  # softmax's top-k
+        top_tok = top_tok.expand(a, f, k)
+        if d2t is not None:
+            top_tok = d2t[top_tok]
+        joint = (frontier_scores[:a].unsqueeze(2) * top_p).flatten(1)  # [a, F * k]
+        tokens = top_tok.flatten(1)
+        levels.add(rows[:a], tokens, frontier_nodes[:a].unsqueeze(2).expand(a, f, k).flatten(1), joint)
+        keep = next_frontier(joint, k)
+        frontier_nodes = first_new + keep
+        frontier_tokens, frontier_scores = tokens.gather(1, keep), joint.gather(1, keep)
+        first_new += f * k
 
 
 def token_info_tree(

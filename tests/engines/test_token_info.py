@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from engines.drafters.token_info import TokenInfoEmbedding, hot_tokens
-from engines.drafters.token_info_sampling import build_subtree
+from engines.drafters.token_info_sampling import build_subtree, build_subtrees
 
 
 def make(vocab=50, hidden=16, rank=4, vocab_out=50):
@@ -50,3 +50,17 @@ def test_table_plugs_into_tree_sampling():
     table = emb.collapse(torch.arange(50))
     tree = build_subtree(torch.zeros(3, 50), root=4, token_info=table, k=2)
     assert tree.size == 1 + 2 + 4 + 4 and tree.depth == 3
+
+
+def test_table_plugs_into_batched_tree_sampling():
+    emb = make()
+    table = emb.collapse(torch.tensor([1, 4, 9, 20]))  # other tokens: zero rows
+    torch.manual_seed(1)
+    logits = [torch.randn(3, 50), torch.randn(2, 50), torch.randn(4, 50)]
+    roots, widths = [4, 7, 9], [2, 3, 2]
+    with torch.no_grad():
+        got = build_subtrees(logits, roots, table, widths)
+        for lg, root, k, tree in zip(logits, roots, widths, got, strict=True):
+            want = build_subtree(lg, root, table, k)
+            assert tree.tokens == want.tokens and tree.parents == want.parents
+            assert max(abs(a - b) for a, b in zip(tree.scores, want.scores, strict=True)) < 1e-6

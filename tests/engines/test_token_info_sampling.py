@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from engines.drafters.token_info_sampling import build_subtree, resample_tree, token_info_tree
+from engines.drafters.token_info import TokenInfoTable
+from engines.drafters.token_info_sampling import (
+    build_subtree,
+    build_subtrees,
+    next_frontier,
+    resample_tree,
+    token_info_tree,
+    top_candidates,
+)
 
 # A toy vocabulary in the spirit of Figure 6.
 VOCAB = ["model", "training", "inference", "server", "speed", "optimization", "quantization", "accuracy", "method"]
@@ -28,7 +37,13 @@ def table_info(rows: dict[str, dict[str, float]]) -> callable:
     return lambda toks: table[toks]
 
 
-def test_algorithm_1_builds_the_figure_6_tree():
+def build_one(logits, root, token_info, k, d2t=None):
+    """The batched Algorithm 1 on one request."""
+    return build_subtrees([logits], [root], token_info, [k], d2t)[0]
+
+
+@pytest.mark.parametrize("build", [build_subtree, build_one], ids=["reference", "batched"])
+def test_algorithm_1_builds_the_figure_6_tree(build):
     # Depth 1: from "model", token info puts training at 0.6 and inference at 0.3 (Figure 6b).
     # Depth 2: training -> server 0.7 (joint 0.42) / speed 0.25 (0.15); inference -> optimization 0.3
     # (0.09) / accuracy 0.25 (0.075). As in the paper, server and speed have the highest joint
@@ -43,7 +58,7 @@ def test_algorithm_1_builds_the_figure_6_tree():
         }
     )
     logits = torch.zeros(3, V)  # raw per-depth logits carry no preference: token info decides
-    tree = build_subtree(logits, T["model"], info, k=2)
+    tree = build(logits, T["model"], info, k=2)
     words = [VOCAB[t] for t in tree.tokens]
     assert words == [
         "model",
@@ -96,3 +111,45 @@ def test_trees_over_a_hot_vocabulary_hold_target_token_ids():
     tree = build_subtree(logits, T["model"], None, k=2, d2t=d2t)
     assert [VOCAB[t] for t in tree.tokens[:3]] == ["model", "training", "inference"]
     assert VOCAB[tree.tokens[3]] == "server"
+
+
+def test_next_frontier_is_top_candidates_row_by_row():
+    torch.manual_seed(0)
+    joint = torch.randint(0, 4, (50, 9)).float() / 4  # many ties: the first listed wins
+    for k in (1, 3, 9):
+        got = next_frontier(joint, k).tolist()
+        assert got == [top_candidates(row, k) for row in joint.tolist()]
+
+
+def random_table(vocab: int, hot: int) -> TokenInfoTable:
+    """A collapsed token-info table over the first `hot` tokens (the rest: zero rows, so ties)."""
+    row_of = torch.full((vocab + 100,), -1)
+    row_of[:hot] = torch.arange(hot)
+    return TokenInfoTable(torch.cat([torch.randn(hot, vocab), torch.zeros(1, vocab)]), row_of)
+
+
+@pytest.mark.parametrize("info", ["none", "table"])
+@pytest.mark.parametrize("hot_vocab", [False, True])
+@pytest.mark.parametrize("quantised", [False, True])
+def test_batched_subtrees_equal_the_per_request_reference(info, hot_vocab, quantised):
+    torch.manual_seed(0)
+    vocab = 64
+    steps = [3, 1, 4, 0, 2, 3, 5, 4]  # a request with no steps keeps just its root
+    widths = [2, 3, 2, 2, 1, 3, 4, 2]
+    logits = [torch.randn(n, vocab) * 3 for n in steps]
+    if quantised:  # equal logits and equal joint probabilities: every tie rule is exercised
+        logits = [torch.randint(0, 3, (n, vocab)).float() for n in steps]
+    token_info = random_table(vocab, hot=40) if info == "table" else None
+    d2t = torch.randperm(vocab + 100)[:vocab] if hot_vocab else None
+    roots = torch.randint(0, vocab, (len(steps),)).tolist()
+    got = build_subtrees(logits, roots, token_info, widths, d2t)
+    for lg, root, k, tree in zip(logits, roots, widths, got, strict=True):
+        want = build_subtree(lg, root, token_info, k, d2t)
+        assert tree.tokens == want.tokens and tree.parents == want.parents
+        assert tree.scores == pytest.approx(want.scores, abs=1e-6)
+
+
+def test_batched_subtrees_of_no_requests_and_of_roots_only():
+    assert build_subtrees([], [], None, []) == []
+    (tree,) = build_subtrees([torch.zeros(0, V)], [T["model"]], None, [2])
+    assert tree.tokens == [T["model"]] and tree.parents == [-1] and tree.scores == [1.0]
