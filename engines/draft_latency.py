@@ -8,7 +8,7 @@ pieces of one draft step are timed (median milliseconds over rounds and prompts)
 - lyanna.layer: the decoder-layer steps h_1..h_N (context already cached)
 - lyanna.head_one_pass: one LM-head GEMM over [h_1..h_N]
 - lyanna.head_per_step: N LM-head GEMMs of one row each (what a per-step head would cost)
-- lyanna.tree: Algorithm 1 (token info, top-k, pruning) on the logits
+- lyanna.tree: Algorithm 1 (token info, top-k, pruning) on the logits, as `propose` runs it (batched form)
 - lyanna.draft: the whole proposal; eagle.draft: EAGLE-2's whole proposal (one layer forward and one
   LM head per depth over the frontier); eagle.head: its LM-head calls alone (same shapes)
 - lyanna.catch_up_batched / lyanna.catch_up_one_by_one: all prompts' requests at once, each with
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from engines.datasets import read_prompt_file
-from engines.drafters.token_info_sampling import token_info_tree
+from engines.drafters.token_info_sampling import build_subtrees
 from engines.engine import EngineConfig, LLMEngine
 from engines.request import Request
 from engines.sampling import SamplingParams
@@ -49,11 +49,12 @@ def draft_pieces(lyanna, eagle, lreq: Request, ereq: Request, spec: SpecParams) 
     logits = m.logits(traj)
     root = lreq.token_ids(lreq.num_tokens - 1, lreq.num_tokens)[0]
     frontier_h = traj[:1].expand(spec.width, -1).contiguous()
+    info, widths, budget = lyanna.token_info, [spec.width], spec.budget + 1  # budget: nodes kept, root included
     return {
         "lyanna.layer": lambda: lyanna.trajectory(lreq, spec.depth),
         "lyanna.head_one_pass": lambda: m.logits(traj),
         "lyanna.head_per_step": lambda: [m.logits(traj[i : i + 1]) for i in range(spec.depth)],
-        "lyanna.tree": lambda: token_info_tree(logits, root, lyanna.token_info, spec.width, spec.budget, m.d2t),
+        "lyanna.tree": lambda: build_subtrees([logits], [root], info, widths, m.d2t)[0].prune(budget),
         "lyanna.draft": lambda: lyanna.propose([lreq], [spec]),
         "eagle.draft": lambda: eagle.propose([ereq], [spec]),
         "eagle.head": lambda: [eagle._top_children(frontier_h, spec.width) for _ in range(spec.depth)],

@@ -5,6 +5,10 @@ plain decode steps and verified paths) and its decoder layer's K/V over the teac
 fuse(H_j, E(t_{j+1})). With tokens t_0..t_{T-1} (t_{T-1}: the root, not yet verified), the context
 runs through position T-2, whose output is the first draft state h_1; steps 2..N extend a temporary
 K/V. One LM-head GEMM gives l_1..l_N and Algorithm 1 builds the tree (token_info_sampling.py).
+
+`propose` drafts every request at once: one layer forward per step over all requests, one LM-head
+GEMM, and one batched Algorithm 1 run that also builds the re-sampled trees (Algorithm 2) recorded
+by `on_verified`, so a proposal copies from the device to the host once.
 """
 
 from __future__ import annotations
@@ -16,10 +20,20 @@ import torch
 from engines.draft_tree import DraftTree, merge_trees
 from engines.drafters.base import Drafter
 from engines.drafters.lyanna_model import LyannaDraftModel
-from engines.drafters.token_info_sampling import resample_tree, token_info_tree
+from engines.drafters.token_info_sampling import build_subtrees
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
+
+
+@dataclass
+class _Resample:
+    """What Algorithm 2 needs after a rejection; the tree itself is built by the next `propose`."""
+
+    logits: torch.Tensor  # [steps, vocab] the last proposal's logits of the depths past the bonus token
+    bonus: int  # the re-sampled tree's root
+    width: int  # the verified tree's widest fan-out
+    num_tokens: int  # the request's length when recorded: the tree is stale once the request grows
 
 
 @dataclass
@@ -35,7 +49,7 @@ class _State:
 
     last_out: torch.Tensor | None = None  # the layer's output at the last processed position
     logits: torch.Tensor | None = None  # [steps, vocab] raw draft logits of the last proposal
-    resampled: DraftTree | None = None  # Algorithm 2's tree, to be fused into the next verification
+    pending: _Resample | None = None  # Algorithm 2's tree to build, fused into the next verification
 
 
 class LyannaDrafter(Drafter):
@@ -78,18 +92,15 @@ class LyannaDrafter(Drafter):
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
         self._record(request, request.num_computed_tokens - len(result.path), hidden)
         st = self.states[request.request_id]
-        st.resampled = None
+        st.pending = None
         last = result.path[-1]
         rejected = any(p == last for p in tree.parents)  # the walk stopped at a node with children
         if self.resample and rejected and st.logits is not None:
             # The bonus token sits at draft depth a+1; the logits of the depths past it are reused.
             remaining = st.logits[result.num_accepted + 1 :]
-            width = max(1, max(len(tree.children(i)) for i in range(tree.size)))
-            resampled = resample_tree(
-                remaining, result.bonus, self.token_info, width, self.resample_threshold, self.model.d2t
-            )
-            if resampled.num_draft:
-                st.resampled = resampled
+            if remaining.shape[0] > max(self.resample_threshold, 0):  # else `resample_tree` gives just a root
+                width = max(1, max(len(c) for c in tree.child_lists()))
+                st.pending = _Resample(remaining, result.bonus, width, request.num_tokens)
 
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
@@ -112,9 +123,10 @@ class LyannaDrafter(Drafter):
         hidden = torch.stack([h for _, st, start, end in todo for h in st.hidden[start:end]])
         device = hidden.device
         next_tokens = [t for req, _, start, end in todo for t in req.token_ids(start + 1, end + 1)]
-        positions = torch.cat([torch.arange(start, end) for _, _, start, end in todo]).to(device)
-        x = m.fused_input(hidden, torch.tensor(next_tokens, device=device))
-        q, k, v = m._qkv(x, positions)
+        positions = [p for _, _, start, end in todo for p in range(start, end)]
+        ids = torch.tensor([next_tokens, positions], device=device)  # one host-to-device copy
+        x = m.fused_input(hidden, ids[0])
+        q, k, v = m._qkv(x, ids[1])
         k, v = m._expand_kv(k), m._expand_kv(v)
         outs, offset = [], 0
         for _, st, start, end in todo:
@@ -136,6 +148,13 @@ class LyannaDrafter(Drafter):
             st.last_out = layer_out[offset - 1 : offset]
         return [end - start for _, _, start, end in spans]
 
+    def _ready_states(self, requests: list[Request]) -> list[_State | None]:
+        """`_context_ready` for several requests, their unread contexts read in one pass."""
+        states = [self.states.get(req.request_id) for req in requests]
+        ok = [st is not None and len(st.hidden) >= req.num_tokens - 1 for req, st in zip(requests, states, strict=True)]
+        self._advance_contexts([(req, st) for req, st, o in zip(requests, states, ok, strict=True) if o])
+        return [st if o and st.last_out is not None else None for st, o in zip(states, ok, strict=True)]
+
     def _context_ready(self, req: Request) -> _State | None:
         """The request's state with its context K/V brought up to date, or None when the target has
         not yet produced the hidden states a draft needs."""
@@ -154,7 +173,8 @@ class LyannaDrafter(Drafter):
     def trajectories(self, requests: list[Request], steps: int) -> list[torch.Tensor | None]:
         """`trajectory` for several requests, their layer steps batched into one forward per step
         (each request attends to its own context: K/V padded to the longest, masked)."""
-        ready = [(i, req, st) for i, req in enumerate(requests) if (st := self._context_ready(req)) is not None]
+        states = self._ready_states(requests)
+        ready = [(i, req, st) for i, (req, st) in enumerate(zip(requests, states, strict=True)) if st is not None]
         out: list[torch.Tensor | None] = [None] * len(requests)
         if not ready:
             return out
@@ -164,10 +184,10 @@ class LyannaDrafter(Drafter):
         width = max(lens) + steps - 1
         keys = h.new_zeros(len(ready), width, m.num_heads, m.head_dim)
         values = torch.zeros_like(keys)
-        valid = torch.zeros(len(ready), width, dtype=torch.bool, device=h.device)
         for b, (_, _, st) in enumerate(ready):
-            keys[b, : lens[b]], values[b, : lens[b]], valid[b, : lens[b]] = st.keys, st.values, True
-        pos = torch.tensor([req.num_tokens - 2 for _, req, _ in ready], device=h.device)
+            keys[b, : lens[b]], values[b, : lens[b]] = st.keys, st.values
+        pos, ctx_lens = torch.tensor([[req.num_tokens - 2 for _, req, _ in ready], lens], device=h.device)
+        valid = torch.arange(width, device=h.device) < ctx_lens.unsqueeze(1)  # [B, width]
         traj = [h]
         for i in range(1, steps):
             q, k, v = m._qkv(h, pos + i)  # q: [B, heads, d]; k, v: [B, kv_heads, d]
@@ -188,32 +208,48 @@ class LyannaDrafter(Drafter):
 
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         trees: list[DraftTree | None] = [None] * len(requests)
-        drafting: list[int] = []
-        for i, (req, spec) in enumerate(zip(requests, specs, strict=True)):
+        roots = [req.token_ids(req.num_tokens - 1, req.num_tokens)[0] for req in requests]
+        pending: dict[int, _Resample] = {}  # request index -> its re-sampled tree's inputs
+        for i, req in enumerate(requests):
             st = self.states.get(req.request_id)
-            if not self.fusion and st is not None and st.resampled is not None:
-                # Without verification fusion the re-sampled tree takes this step's place (no drafter forward).
-                trees[i], st.resampled, st.logits = st.resampled.prune(spec.budget + 1), None, None
-                self.num_resampled_alone += 1
-            else:
-                drafting.append(i)
-        if not drafting:
-            return trees
-        depth = max(specs[i].depth for i in drafting)
-        trajs = self.trajectories([requests[i] for i in drafting], depth)
+            if st is not None and st.pending is not None:
+                if st.pending.num_tokens == req.num_tokens:
+                    pending[i] = st.pending
+                else:  # the request went on without a draft: the tree's root is no longer its last token
+                    st.pending = None
+        # Without verification fusion a re-sampled tree takes its step's place (no drafter forward).
+        alone = [] if self.fusion else list(pending)
+        drafting = [i for i in range(len(requests)) if i not in pending or self.fusion]
+        depth = max((specs[i].depth for i in drafting), default=0)
+        trajs = self.trajectories([requests[i] for i in drafting], depth) if drafting else []
         done = [(i, t[: specs[i].depth]) for i, t in zip(drafting, trajs, strict=True) if t is not None]
-        if not done:
+        step_logits: list[torch.Tensor] = []
+        if done:
+            all_logits = self.model.logits(torch.cat([t for _, t in done]))  # one LM-head GEMM for every step
+            step_logits = list(all_logits.split([specs[i].depth for i, _ in done]))
+        resampling = alone + [i for i, _ in done if i in pending]
+        if not done and not resampling:
             return trees
-        all_logits = self.model.logits(torch.cat([t for _, t in done]))  # one LM-head GEMM for every step
-        for (i, _), logits in zip(done, all_logits.split([specs[i].depth for i, _ in done]), strict=True):
-            req, spec = requests[i], specs[i]
-            root = req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
-            tree = token_info_tree(logits, root, self.token_info, spec.width, spec.budget, self.model.d2t)
-            st = self.states[req.request_id]
-            if st.resampled is not None and st.resampled.tokens[0] == root:
+        # One Algorithm 1 run for this step's trees and the re-sampled trees (Algorithm 2).
+        built = build_subtrees(
+            step_logits + [pending[i].logits for i in resampling],
+            [roots[i] for i, _ in done] + [pending[i].bonus for i in resampling],
+            self.token_info,
+            [specs[i].width for i, _ in done] + [pending[i].width for i in resampling],
+            self.model.d2t,
+        )
+        resampled = dict(zip(resampling, built[len(done) :], strict=True))
+        for i in alone:
+            st = self.states[requests[i].request_id]
+            trees[i], st.pending, st.logits = resampled[i].prune(specs[i].budget + 1), None, None
+            self.num_resampled_alone += 1
+        for (i, _), logits, tree in zip(done, step_logits, built[: len(done)], strict=True):
+            spec, st = specs[i], self.states[requests[i].request_id]
+            tree = tree.prune(spec.budget + 1)
+            if i in resampled:
                 # Verification fusion: the re-sampled tree rides along, competing for the budget.
-                tree = merge_trees(tree, st.resampled).prune(spec.budget + 1)
+                tree = merge_trees(tree, resampled[i]).prune(spec.budget + 1)
                 self.num_fused += 1
-            st.logits, st.resampled = logits, None
+            st.logits, st.pending = logits, None
             trees[i] = tree
         return trees

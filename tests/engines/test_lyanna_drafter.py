@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from engines.draft_tree import merge_trees
 from engines.drafters.checkpoint import save_draft_model
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
+from engines.drafters.token_info_sampling import resample_tree, token_info_tree
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -79,6 +82,62 @@ def test_batched_catch_up_equals_each_request_alone(lyanna_checkpoint):
         alone, together = drafter.states[req.request_id], batched[req.request_id]
         torch.testing.assert_close(together.keys, alone.keys, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(together.last_out, alone.last_out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_batched_proposal_equals_the_per_request_reference(lyanna_checkpoint, fusion):
+    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8), lyanna_fusion=fusion)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS]  # contexts of different lengths
+    drafter, m, info = engine.drafter, engine.drafter.model, engine.drafter.token_info
+    for _ in range(4):  # without fusion, a step that verifies a re-sampled tree records none
+        engine.step()
+        pending = [drafter.states[r.request_id].pending for r in reqs]
+        if any(p is not None for p in pending):  # random weights reject: re-sampled trees to build
+            break
+    assert any(p is not None for p in pending)
+    drafter.states[reqs[0].request_id].pending = pending[0] = None  # a request with nothing to re-sample
+    specs = [SpecParams(4, 2, 8), SpecParams(3, 3, 10), SpecParams(4, 2, 6), SpecParams(2, 1, 4)]
+    # The reference: each request's Algorithm 1 and 2 alone, on logits from the same batched layer steps.
+    resampled = [
+        p and resample_tree(p.logits, p.bonus, info, p.width, drafter.resample_threshold, m.d2t) for p in pending
+    ]
+    want = [  # without fusion a re-sampled tree is the proposal
+        None if p is None or fusion else tree.prune(s.budget + 1)
+        for p, tree, s in zip(pending, resampled, specs, strict=True)
+    ]
+    drafting = [i for i, p in enumerate(pending) if fusion or p is None]
+    trajs = drafter.trajectories([reqs[i] for i in drafting], max(specs[i].depth for i in drafting))
+    depths = [specs[i].depth for i in drafting]
+    logits = m.logits(torch.cat([t[:d] for t, d in zip(trajs, depths, strict=True)])).split(depths)
+    for i, lg in zip(drafting, logits, strict=True):
+        root = reqs[i].token_ids(reqs[i].num_tokens - 1, reqs[i].num_tokens)[0]
+        want[i] = token_info_tree(lg, root, info, specs[i].width, specs[i].budget, m.d2t)
+        if resampled[i] is not None:
+            want[i] = merge_trees(want[i], resampled[i]).prune(specs[i].budget + 1)
+    got = drafter.propose(reqs, specs)
+    for tree, ref in zip(got, want, strict=True):
+        assert tree.tokens == ref.tokens and tree.parents == ref.parents
+        assert tree.scores == pytest.approx(ref.scores, abs=1e-6)
+    assert all(drafter.states[r.request_id].pending is None for r in reqs)
+
+
+def test_a_stale_resampled_tree_is_dropped(lyanna_checkpoint):
+    spec = SpecParams(depth=4, width=2, budget=8)
+    engine = lyanna_engine(lyanna_checkpoint, spec=spec)
+    req = engine.add_request(CHAT_PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    st = None
+    for _ in range(4):
+        engine.step()
+        st = engine.drafter.states[req.request_id]
+        if st.pending is not None:
+            break
+    assert st.pending is not None
+    st.pending = dataclasses.replace(st.pending, num_tokens=req.num_tokens - 1)  # as if recorded a token ago
+    fused = engine.drafter.num_fused
+    tree = engine.drafter.propose([req], [spec])[0]
+    assert st.pending is None and engine.drafter.num_fused == fused
+    assert tree.tokens[0] == req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
 
 
 @pytest.mark.slow
