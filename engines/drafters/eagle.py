@@ -11,13 +11,15 @@ SpecParams map as depth -> depth, width -> top_k, budget -> total_tokens - 1.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 import torch.nn.functional as F
 
 from engines.draft_tree import DraftTree
 from engines.drafters.eagle_model import EagleDraftModel
-from engines.drafters.lyanna import LyannaDrafter
-from engines.drafters.token_info_sampling import top_candidates
+from engines.drafters.lyanna import LyannaDrafter, _State
+from engines.drafters.token_info_sampling import TreeLevels, next_frontier, top_candidates
 from engines.request import Request
 from engines.spec_params import SpecParams
 
@@ -94,9 +96,98 @@ class EagleDrafter(LyannaDrafter):
             frontier = [first_new + c for c in top_candidates(joint.tolist(), k)]
         return DraftTree(tokens, parents, scores)
 
+    @torch.no_grad()
+    def grow_batch(self, requests: list[Request], depths: list[int], widths: list[int]) -> list[DraftTree | None]:
+        """`grow` for several requests at once (request r to depths[r] with top-k widths[r]): the same
+        trees, grown on the device with one host copy at the end; None where a request has no context.
+
+        Requests of one width grow together: per depth, their frontiers run through the layer in one
+        forward (each attends to its own context, padded to the longest and masked, and to its own
+        tree ancestors) and the LM head scores them in one GEMM.
+        """
+        states = self._ready_states(requests)
+        roots = [req.token_ids(req.num_tokens - 1, req.num_tokens)[0] for req in requests]
+        # Requests of one width form a contiguous run, deepest first, so a depth's growing requests
+        # are a prefix of their run.
+        growing = [r for r, st in enumerate(states) if st is not None and depths[r] > 0]
+        order = sorted(growing, key=lambda r: (widths[r], -depths[r]))
+        levels = TreeLevels(roots)
+        if order:
+            device = states[order[0]].last_out.device
+            # Context lengths and the positions before the first tree step, in one host-to-device copy.
+            meta = [[states[r].processed for r in order], [requests[r].num_tokens - 3 for r in order]]
+            lens, base_pos = torch.tensor(meta, device=device)
+            start = 0
+            for k, members in groupby(order, key=lambda r: widths[r]):
+                group = list(members)
+                end = start + len(group)
+                sts = [states[r] for r in group]
+                self._grow_group(
+                    levels, group, sts, [depths[r] for r in group], k, lens[start:end], base_pos[start:end]
+                )
+                start = end
+        trees = levels.trees()
+        return [None if st is None else tree for st, tree in zip(states, trees, strict=True)]
+
+    def _grow_group(
+        self,
+        levels: TreeLevels,
+        rows: list[int],
+        states: list[_State],
+        depths: list[int],
+        k: int,
+        lens: torch.Tensor,
+        base_pos: torch.Tensor,
+    ) -> None:
+        """Grow the trees of requests `rows` of width k (`depths` descending) into `levels`; `lens`: their
+        context lengths, `base_pos`: their positions before the first tree step (both [len(rows)])."""
+        m = self.model
+        n, heads, head_dim = len(rows), m.num_heads, m.head_dim
+        h = torch.cat([st.last_out for st in states])  # [n, hidden]: the root's output predicts its children
+        ctx = max(st.processed for st in states)  # contexts padded to the longest
+        cap = (depths[0] - 1) * k  # one key column per frontier node run through the layer
+        keys = h.new_zeros(n, ctx + cap, heads, head_dim)
+        values = torch.zeros_like(keys)
+        for b, st in enumerate(states):
+            keys[b, : st.processed], values[b, : st.processed] = st.keys, st.values
+        ctx_valid = torch.arange(ctx, device=h.device) < lens.unsqueeze(1)  # [n, ctx]
+        top_p, top_tok = self._top_children(h, k)
+        scores = top_p.float()  # [n, k]: the root's children are the first frontier (joint = 1 * p)
+        levels.add(rows, top_tok, torch.zeros_like(top_tok), scores)
+        nodes = torch.arange(1, k + 1, device=h.device).expand(n, k)  # frontier node indices
+        tokens, parent_out = top_tok, h.unsqueeze(1).expand(n, k, h.shape[-1])
+        ancestors = torch.zeros(n, k, cap, dtype=torch.bool, device=h.device)  # tree columns each frontier node sees
+        first_new = 1 + k
+        for d in range(2, depths[0] + 1):
+            a = sum(1 for depth in depths if depth >= d)  # requests still growing
+            x = m.chain_input(parent_out[:a].reshape(a * k, -1), tokens[:a].reshape(-1))
+            pos = (base_pos[:a] + d).repeat_interleave(k)
+            q, k_new, v_new = m._qkv(x, pos)
+            col = ctx + (d - 2) * k  # this depth's frontier keys
+            keys[:a, col : col + k] = m._expand_kv(k_new).view(a, k, heads, head_dim)
+            values[:a, col : col + k] = m._expand_kv(v_new).view(a, k, heads, head_dim)
+            ancestors = ancestors[:a]
+            ancestors[:, :, (d - 2) * k : (d - 1) * k] |= torch.eye(k, dtype=torch.bool, device=h.device)  # itself
+            mask = torch.cat([ctx_valid[:a].unsqueeze(1).expand(a, k, ctx), ancestors[:, :, : (d - 1) * k]], dim=-1)
+            attn = F.scaled_dot_product_attention(
+                q.view(a, k, heads, head_dim).transpose(1, 2),
+                keys[:a, : col + k].transpose(1, 2),
+                values[:a, : col + k].transpose(1, 2),
+                attn_mask=mask.unsqueeze(1),
+            )  # [a, heads, k, head_dim]
+            out = m._finish(x, attn.transpose(1, 2).reshape(a * k, heads, head_dim))  # [a * k, hidden]
+            top_p, top_tok = self._top_children(out, k)  # one LM-head GEMM for every request's frontier
+            joint = (scores[:a].unsqueeze(2) * top_p.float().view(a, k, k)).flatten(1)  # [a, k * k]
+            new_tokens = top_tok.view(a, k * k)
+            levels.add(rows[:a], new_tokens, nodes[:a].unsqueeze(2).expand(a, k, k).flatten(1), joint)
+            # Expand only the k most probable new nodes next (EAGLE-2's confidence-ranked expansion).
+            keep = next_frontier(joint, k)  # [a, k]
+            parent = keep // k  # each new frontier node's parent, as a position in this frontier
+            nodes, tokens, scores = first_new + keep, new_tokens.gather(1, keep), joint.gather(1, keep)
+            parent_out = out.view(a, k, -1).gather(1, parent.unsqueeze(2).expand(a, k, out.shape[-1]))
+            ancestors = ancestors.gather(1, parent.unsqueeze(2).expand(a, k, cap))
+            first_new += k * k
+
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
-        trees: list[DraftTree | None] = []
-        for req, spec in zip(requests, specs, strict=True):
-            tree = self.grow(req, spec.depth, spec.width)
-            trees.append(None if tree is None else tree.prune(spec.budget + 1))
-        return trees
+        trees = self.grow_batch(requests, [spec.depth for spec in specs], [spec.width for spec in specs])
+        return [None if tree is None else tree.prune(spec.budget + 1) for tree, spec in zip(trees, specs, strict=True)]

@@ -69,6 +69,27 @@ def test_trees_grow_k_squared_candidates_per_depth_and_prune_to_budget(eagle_che
     assert pruned.size == 9
 
 
+def test_batched_growth_equals_each_request_alone(eagle_checkpoint):
+    engine = eagle_engine(eagle_checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:4]]  # contexts of different lengths
+    engine.step()
+    engine.step()
+    assert len({r.num_tokens for r in reqs}) == len(reqs)
+    reqs.append(engine.add_request(CHAT_PROMPTS[0], params))  # not prefilled: no context, no tree
+    drafter = engine.drafter
+    for depths, widths in [([3] * 5, [3] * 5), ([3, 2, 4, 1, 3], [2, 3, 2, 1, 2]), ([4, 0, 2, 2, 1], [1, 4, 4, 2, 3])]:
+        calls = drafter.lm_head_calls
+        got = drafter.grow_batch(reqs, depths, widths)
+        if len(set(widths)) == 1:
+            assert drafter.lm_head_calls - calls == max(depths)  # one LM-head GEMM per depth for every request
+        assert got[-1] is None
+        for req, depth, k, tree in zip(reqs[:-1], depths, widths, got, strict=False):
+            want = drafter.grow(req, depth, k)
+            assert tree.tokens == want.tokens and tree.parents == want.parents
+            assert tree.scores == pytest.approx(want.scores, rel=5e-5)
+
+
 @pytest.mark.slow
 def test_greedy_eagle_speculation_equals_autoregressive(eagle_checkpoint, engine_fp32):
     engine = eagle_engine(eagle_checkpoint)
