@@ -174,6 +174,8 @@ class LLMEngine:
         if num_blocks is None:
             per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
             num_blocks = max(1, int(config.kv_cache_gib * 2**30) // (per_token * config.block_size))
+        if dtype == torch.float32 and self.model.dtype != torch.float32:
+            self.model.compute_in(torch.float32)  # this CPU would emulate bf16 math: only the GEMMs keep it
         self.kv_cache = PagedKVCache(
             cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, num_blocks, config.block_size, dtype, self.device
         )

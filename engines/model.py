@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
@@ -99,16 +101,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         q_local, kv_local = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)
+        # RoPE and attention run in the cache's dtype (fp32 where the CPU has no bf16 arithmetic).
+        qkv = self.qkv_proj(x).to(k_cache.dtype)
         # RoPE on q and k heads in one go: they are adjacent in the fused projection.
         heads = self.num_heads + self.num_kv_heads
         qk = apply_rope(qkv[:, : q_local + kv_local].view(T, heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_local + kv_local :]
-        # The cache may hold a wider dtype than the model (fp32 where the CPU has no bf16 arithmetic).
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim).to(v_cache.dtype))
-        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale).to(x.dtype))
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
 
 
 class MLP(nn.Module):
@@ -135,6 +137,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp, dtype)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """x: the residual stream, in the model's compute dtype; the projections take their weights' dtype."""
         x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -156,6 +159,20 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_wide: torch.Tensor | None = None
+        self.compute_dtype = dtype  # of the residual stream and the norms (see `compute_in`)
+
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Keep the residual stream and the norms in `dtype` (fp32 on CPUs that would emulate bf16: fewer,
+        cheaper ops per layer) while the projections keep the weights' dtype. Outputs keep the model's."""
+        self.compute_dtype = dtype
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.data = m.weight.data.to(dtype)
+            elif isinstance(m, PackableLinear) and dtype == torch.float32:
+                m.widen()  # many-row GEMMs (prefill chunks, large batches) run ~4x faster in fp32 there
+        if dtype == torch.float32 and self.dtype != torch.float32:
+            self.lm_head_wide = self.lm_head_weight.data.float()
 
     @property
     def attn_kv_heads(self) -> int:
@@ -169,7 +186,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         """LM head in the model dtype, returned in fp32 for sampling."""
-        return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed).float()
+        return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
 
     def prepack(self) -> None:
         """Lay out every projection for the CPU's fastest kernel (no-op on CUDA and in fp32)."""
@@ -187,11 +204,11 @@ class LlamaModel(nn.Module):
         kv_cache: PagedKVCache,
         logits_indices: torch.Tensor | None = None,  # [N] rows of T that need logits; None = all
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [N, vocab] fp32, hidden [T, hidden]
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.embed_tokens(input_ids).to(self.compute_dtype)
+        cos, sin = self.rotary(positions, kv_cache.k.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], meta)
-        hidden = self.norm(x)
+        hidden = self.norm(x).to(self.dtype)
         selected = hidden if logits_indices is None else hidden[logits_indices]
         return self.compute_logits(selected), hidden
 

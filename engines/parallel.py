@@ -44,14 +44,19 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    wide: torch.Tensor | None = None  # fp32 copy for many-row GEMMs on CPUs that emulate bf16
 
     def prepack(self) -> None:
         """Lay the weight out for the CPU's fastest kernel (call after loading; no-op elsewhere)."""
         self.packed = onednn_linear.prepack(self.weight.data)
 
+    def widen(self) -> None:
+        """Keep an fp32 copy of the weight for GEMMs of many rows (see `onednn_linear.WIDE_MIN_ROWS`)."""
+        self.wide = self.weight.data.float() if self.weight.dtype != torch.float32 else None
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T on the local shard."""
-        return onednn_linear.linear(x, self.weight, self.packed)
+        """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path)."""
+        return onednn_linear.linear(x, self.weight, self.packed, self.wide)
 
 
 class ColumnParallelLinear(PackableLinear):

@@ -54,6 +54,8 @@ class EngineSettings(BaseModel):
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int | None = None  # prompt tokens per step while others decode (None: 256 CPU, 2048 GPU)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype, fp32 on CPUs without bf16 arithmetic
     max_model_len: int | None = None
     spec_depth: int = SpecParams.depth
     spec_width: int = SpecParams.width

@@ -47,6 +47,24 @@ def test_low_precision_tracks_fp32(engine_fp32, dtype):
     assert (logits[-1].argmax() == ref[-1].argmax()).item()
 
 
+def test_bf16_weights_with_fp32_compute_track_fp32(engine_fp32):
+    """The AVX2 CPU mode: bf16 weights, fp32 residual stream, norms, attention and cache, and fp32 weight
+    copies for GEMMs of many rows. Prefill (many rows) and decode (one row) both stay close to fp32."""
+    prompt = engine_fp32.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there, how are you?"}])
+    kv32 = new_cache(engine_fp32.model)
+    ref, _ = run(engine_fp32.model, kv32, "s", prompt, 0)
+    nxt = int(ref[-1].argmax())
+    ref_step, _ = run(engine_fp32.model, kv32, "s", [nxt], len(prompt))
+    low = load_model(None, dtype=torch.bfloat16).model
+    low.compute_in(torch.float32)
+    kv = new_cache(low, dtype=torch.float32)
+    logits, hidden = run(low, kv, "s", prompt, 0)
+    step, _ = run(low, kv, "s", [nxt], len(prompt))
+    assert hidden.dtype == torch.bfloat16
+    assert rel_err(logits, ref) < 0.05 and rel_err(step, ref_step) < 0.05
+    assert (logits[-1].argmax() == ref[-1].argmax()).item() and (step[0].argmax() == ref_step[0].argmax()).item()
+
+
 def test_loads_hf_checkpoint_folder_untied_with_llama3_rope(tmp_path):
     """A plain Hugging Face checkpoint folder, untied LM head, llama3 RoPE scaling, odd GQA ratio."""
     torch.manual_seed(0)
