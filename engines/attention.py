@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 MAX_GROUPED_QUERIES = 64  # sequences with more new tokens than this attend alone
 GROUP_PADDING_RATIO = 1.3  # a group's padded query-key pairs may exceed the real ones by this factor ...
-GROUP_PADDING_SLACK = 16384  # ... plus this many pairs (a separate call costs more than that much padding)
+GROUP_PADDING_SLACK = 2048  # ... plus this many pairs (a separate call costs about as much as that padding)
 
 
 @dataclass

@@ -183,7 +183,14 @@ class LLMEngine:
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
         chunk = config.prefill_chunk_tokens or (256 if self.device.type == "cpu" else 2048)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk)
+        # A token's projections cost 2 x params FLOPs; attending over one more key, 4 x heads x head_dim
+        # per layer: past this many context keys a prompt token's attention outweighs its projections.
+        params = sum(p.numel() for p in self.model.parameters()) - self.model.embed_tokens.weight.numel()
+        params += self.model.lm_head_weight.numel() if self.model.lm_head is None else 0
+        keys_per_token = 2 * params / (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+        self.scheduler = Scheduler(
+            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk, keys_per_token
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0

@@ -57,8 +57,10 @@ class Scheduler:
     request that cannot get KV blocks preempts the newest running request (freeing its blocks; it
     recomputes later). Waiting requests are admitted in arrival order while the token budget,
     `max_num_seqs` and free blocks allow. Prompts are read in chunks: while any request is decoding, a
-    step carries at most `prefill_chunk_tokens` prompt tokens in all, so a decode step never waits
-    behind more than one chunk; with nothing decoding, prompts fill the whole token budget.
+    step carries at most one chunk's work of prompt, `prefill_chunk_tokens` tokens at the start of a
+    prompt and fewer further in, where each token's attention over the context read so far costs
+    more (a token at context c costs 1 + c / `attention_keys_per_token` tokens' worth), so a decode
+    step never waits behind more than one chunk; with nothing decoding, prompts fill the token budget.
     """
 
     def __init__(
@@ -67,11 +69,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_chunk_tokens: int | None = None,
+        attention_keys_per_token: float | None = None,
     ):
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
+        # Context keys whose attention costs as much as one token's projections (None: attention is free).
+        self.attention_keys_per_token = attention_keys_per_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -95,7 +100,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             todo = req.num_tokens - req.num_computed_tokens
-            n = min(todo, budget) if todo == 1 else min(todo, budget, prefill_budget)
+            n = min(todo, budget) if todo == 1 else min(todo, budget, self._chunk(req, prefill_budget))
             if n == 0:
                 i += 1
                 continue
@@ -117,7 +122,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
                 if todo > 1:
-                    prefill_budget -= n
+                    prefill_budget -= self._chunk_cost(req, n)
                 i += 1
                 continue
             break
@@ -129,8 +134,8 @@ class Scheduler:
             and not out.preempted
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, prefill_budget)
-            if not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk(req, prefill_budget))
+            if n == 0 or not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
                 break
             self.kv.allocate(req.request_id, req.num_computed_tokens + n)
             self.waiting.popleft()
@@ -140,8 +145,25 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-            prefill_budget -= n
+            prefill_budget -= self._chunk_cost(req, n)
         return out
+
+    def _chunk(self, req: Request, work: float) -> int:
+        """Prompt tokens of `req` that fit `work` (in tokens at context 0) at its current context."""
+        if work <= 0:
+            return 0
+        per_token = (
+            1.0
+            if self.attention_keys_per_token is None
+            else 1 + req.num_computed_tokens / self.attention_keys_per_token
+        )
+        return max(1, int(work / per_token))
+
+    def _chunk_cost(self, req: Request, n: int) -> float:
+        """Work (tokens at context 0) of `n` prompt tokens of `req` read from its current context."""
+        if self.attention_keys_per_token is None:
+            return n
+        return n * (1 + req.num_computed_tokens / self.attention_keys_per_token)
 
     def _grant_draft(self, req: Request, wanted: int, budget: int) -> int:
         """Draft tokens (root included) a decoding request may verify: what it asked for, cut to the
