@@ -82,14 +82,9 @@ class DraftTree:
 
     def attention_mask(self) -> torch.Tensor:
         """[n, n] bool: node i may attend to node j iff j is i or one of its ancestors."""
-        n = self.size
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            p = self.parents[i]
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask
+        from engines.attention import tree_mask
+
+        return tree_mask(self.parents)
 
     def positions(self, base: int) -> list[int]:
         """Position ids: the root sits at `base`, a node at depth d at `base + d`."""

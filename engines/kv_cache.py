@@ -115,9 +115,9 @@ class PagedKVCache:
 
     def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
         """Flat slots of the sequence's cache indices [start, end), as a CPU int64 tensor."""
-        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
-        idx = torch.arange(start, end, dtype=torch.long)
-        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+        from engines.attention import sequence_slots
+
+        return sequence_slots(self.block_tables[seq_id], self.block_size, start, end)
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Keep storage for the first `num_tokens` cache indices; free whole blocks past them."""

@@ -23,6 +23,20 @@ def reference(engine_fp32):
     return [engine_fp32.generate([c], GREEDY)[0].token_ids for c in CHAT_PROMPTS]
 
 
+def record_schedules(engine) -> list[list[tuple[str, int]]]:
+    """From now on, every step's (request id, tokens) pairs, appended as the engine schedules them."""
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule(*args):
+        out = schedule(*args)
+        seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    return seen
+
+
 def run_collecting(engine, convs, params):
     """Drive `step()` by hand, recording the batch size of every forward."""
     reqs = [engine.add_request(c, params) for c in convs]
@@ -199,15 +213,7 @@ def test_duplicate_request_id(engine_fp32):
 
 def test_prefill_and_decode_share_a_step_under_the_token_budget(make_engine):
     engine = make_engine(max_num_batched_tokens=16)
-    seen = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule(*args):
-        out = schedule(*args)
-        seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        return out
-
-    engine.scheduler.schedule = recording_schedule
+    seen = record_schedules(engine)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     a = engine.add_request(CHAT_PROMPTS[0], params, request_id="a")
     while a.num_computed_tokens < a.num_prompt_tokens:
@@ -222,15 +228,7 @@ def test_prefill_and_decode_share_a_step_under_the_token_budget(make_engine):
 
 def test_prompts_wait_behind_at_most_one_chunk_while_others_decode(make_engine, reference):
     engine = make_engine(max_num_batched_tokens=64, prefill_chunk_tokens=8)
-    seen = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule(*args):
-        out = schedule(*args)
-        seen.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        return out
-
-    engine.scheduler.schedule = recording_schedule
+    seen = record_schedules(engine)
     a = engine.add_request(CHAT_PROMPTS[0], GREEDY, request_id="a")
     engine.step()
     assert seen[-1] == [("a", 64)] or seen[-1] == [("a", a.num_prompt_tokens)]  # nothing decodes: full budget
