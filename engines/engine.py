@@ -25,6 +25,7 @@ from engines.sampling import SamplingParams, sample
 from engines.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
+from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from engines.verification import VerifyItem, VerifyResult, verify_batch
 from policies.speculation import AdaptivePolicy, AdaptiveSettings, StepRecord, make_policy
@@ -101,6 +102,9 @@ class EngineConfig:
     model: str | None = None  # None/"smollm2-135m-instruct" = embedded default; or a folder or .gguf
     dtype: str = "bfloat16"
     device: str = "cpu"
+    # Ranks the target is split over (attention by KV-head groups, MLP by channels): this process is
+    # rank 0, the others are Ray actors it starts (in its placement group's bundles when it has one).
+    tensor_parallel_size: int = 1
     block_size: int = 16
     kv_cache_gib: float = 1.0  # KV memory when num_kv_blocks is not given
     num_kv_blocks: int | None = None
@@ -132,7 +136,7 @@ class EngineConfig:
         if self.chain_verifier not in ("block", "rejection"):
             raise ValueError("chain_verifier must be 'block' or 'rejection' (the lossy HSD rule is test-only)")
         self.spec.validate()
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
@@ -163,7 +167,18 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        loaded = load_model(config.model, config.dtype, config.device)
+        self.workers: WorkerGroup | None = None  # ranks 1..N-1 of a tensor-parallel target
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config.model, config.dtype, config.device, config.tensor_parallel_size)
+        try:
+            self._init(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
+        tp = None if self.workers is None else self.workers.tp
+        loaded = load_model(config.model, config.dtype, config.device, tp=tp)
         self.model, self.model_config, self.device = loaded.model, loaded.config, loaded.device
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
@@ -172,7 +187,8 @@ class LLMEngine:
         dtype = kv_cache_dtype(kv_setting, parse_dtype(config.dtype), self.device)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+            # per rank: rank 0 holds the most KV heads when they do not split evenly
+            per_token = PagedKVCache.bytes_per_token(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, dtype)
             num_blocks = max(1, int(config.kv_cache_gib * 2**30) // (per_token * config.block_size))
         if dtype == torch.float32 and self.model.dtype != torch.float32:
             self.model.compute_in(torch.float32)  # this CPU would emulate bf16 math: only the GEMMs keep it
@@ -191,7 +207,15 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk, keys_per_token
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
+        if self.workers is None:
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
+        else:
+            compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
+            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32)
+            self.workers.start(spec, config.max_num_seqs)
+            self.runner = ParallelModelRunner(
+                self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers
+            )
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
         self.busy_seconds = 0.0
@@ -290,6 +314,17 @@ class LLMEngine:
         req = self.make_request(messages, params, request_id, prompt_token_ids, spec, tpot_target_s)
         self.add(req)
         return req
+
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel rank has died, stopped or hangs (no-op on one rank)."""
+        if isinstance(self.runner, ParallelModelRunner):
+            self.runner.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (no-op on one rank); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its KV blocks; None if it is unknown or done."""
@@ -440,7 +475,7 @@ class LLMEngine:
         """Commit every accepted path to the KV cache in one copy, emit accepted + bonus tokens."""
         pairs = list(zip(drafted, results, strict=True))
         commits = [(s.request.request_id, s.request.num_computed_tokens, r.path) for (s, _), r in pairs]
-        self.kv_cache.commit_paths(commits)
+        self.runner.move_kv(*self.kv_cache.path_moves(commits))
         outputs = []
         for (s, b), result in zip(drafted, results, strict=True):
             req, tree = s.request, s.draft

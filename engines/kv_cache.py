@@ -129,15 +129,13 @@ class PagedKVCache:
             self.allocator.free(table[keep:])
             del table[keep:]
 
-    @torch.no_grad()
-    def commit_paths(self, commits: list[tuple[str, int, list[int]]]) -> None:
-        """After tree verification: move the K/V of each sequence's accepted tree nodes to contiguous
-        indices, every sequence and layer in one copy.
+    def path_moves(self, commits: list[tuple[str, int, list[int]]]) -> tuple[list[int], list[int]]:
+        """After tree verification: the slot moves (sources, destinations) that put each sequence's
+        accepted tree nodes at contiguous indices; releases storage past each accepted path.
 
         A commit (seq_id, base, path): the tree's nodes were written at cache indices `base + node`;
-        `path` lists the accepted nodes root to leaf. Afterwards node `path[i]` sits at `base + i` and
-        storage past `base + len(path)` is released. Positions need no fix-up: a node at depth i was
-        already rotated for position `base + i`.
+        `path` lists the accepted nodes root to leaf. After the moves node `path[i]` sits at `base + i`.
+        Positions need no fix-up: a node at depth i was already rotated for position `base + i`.
         """
         src: list[int] = []
         dst: list[int] = []
@@ -149,13 +147,23 @@ class PagedKVCache:
                     s, d = base + node, base + i
                     src.append(table[s // bs] * bs + s % bs)
                     dst.append(table[d // bs] * bs + d % bs)
+        for seq_id, base, path in commits:
+            self.truncate(seq_id, base + len(path))
+        return src, dst
+
+    @torch.no_grad()
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots `src` to slots `dst` in every layer, in one indexed copy."""
         if src:
             index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
             # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
             self.k[:, index[1]] = self.k[:, index[0]]
             self.v[:, index[1]] = self.v[:, index[0]]
-        for seq_id, base, path in commits:
-            self.truncate(seq_id, base + len(path))
+
+    def commit_paths(self, commits: list[tuple[str, int, list[int]]]) -> None:
+        """`path_moves`, then the moves on this cache (the engine sends them through its model runner,
+        which applies them on every tensor-parallel rank)."""
+        self.move_slots(*self.path_moves(commits))
 
     def commit_path(self, seq_id: str, base: int, path: list[int]) -> None:
         """`commit_paths` for one sequence."""

@@ -80,14 +80,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Grouped-query self-attention with a fused, column-parallel QKV projection."""
 
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.num_heads = tp.shard(cfg.num_heads, "num_heads")
-        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_kv_heads")
+        # A rank holds whole KV heads and the query heads that read them (units: KV-head groups).
+        groups = cfg.num_kv_heads
+        self.num_kv_heads = tp.split(groups, "num_kv_heads")[1]
+        self.num_heads = self.num_kv_heads * (cfg.num_heads // groups)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], tp, dtype)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp, dtype)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], tp, dtype, units=groups)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp, dtype, units=groups)
         self.scale = cfg.head_dim**-0.5
 
     def forward(

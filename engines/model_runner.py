@@ -76,6 +76,10 @@ class ModelRunner:
         logits, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
         return StepResult(logits, hidden, plan)
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy cached K/V from slots `src` to slots `dst` (accepted draft paths), every layer."""
+        self.kv.move_slots(src, dst)
+
     def execute_inputs(self, inputs: list[StepInput]) -> StepResult:
         """`execute` for sequences given one by one (their KV blocks already allocated)."""
         plan = StepPlan()

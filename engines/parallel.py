@@ -2,8 +2,10 @@
 
 A column-parallel layer holds a slice of the output features, so its output is a shard; a
 row-parallel layer holds a slice of the input features and sums partial results across ranks.
-Attention heads and MLP channels are split so that each rank computes whole heads locally and the
-only communication is one all-reduce after `o_proj` and one after `down_proj`.
+Attention is split by KV-head groups (a rank holds some KV heads and the query heads that read them)
+and the MLP by channels, so that each rank computes whole heads locally and the only communication is
+one all-reduce after `o_proj` and one after `down_proj`. Splits need not be even: 3 KV heads over 2
+ranks give 2 and 1 (the embedded model has 3), sizes differing by at most one unit.
 """
 
 from __future__ import annotations
@@ -20,23 +22,37 @@ from kernels import onednn_linear
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Which shard this process owns; `group` is a torch.distributed process group when world_size > 1."""
+    """Which shard this process owns; `group` is a torch.distributed `ProcessGroup` when world_size > 1
+    (the default group's, or a standalone one: see engines/tensor_parallel.py)."""
 
     world_size: int = 1
     rank: int = 0
     group: Any = None
 
-    def shard(self, size: int, what: str) -> int:
-        """Local size of a dimension split evenly across ranks."""
-        if size % self.world_size:
-            raise ValueError(f"{what}={size} is not divisible by tensor-parallel size {self.world_size}")
-        return size // self.world_size
+    def split(self, units: int, what: str) -> tuple[int, int]:
+        """This rank's share of `units` indivisible parts (heads, channels): (first, count), as even as
+        can be (earlier ranks take one more when they do not divide)."""
+        if units < self.world_size:
+            raise ValueError(f"{what}={units} is fewer than the tensor-parallel size {self.world_size}")
+        base, extra = divmod(units, self.world_size)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` across ranks in place (no-op on one rank)."""
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
+
+
+def shard_range(size: int, units: int | None, tp: TensorParallel, what: str) -> tuple[int, int]:
+    """Rows (or columns) [start, end) of a dimension of `size` made of `units` equal parts (None: every
+    element is a part) that this rank holds."""
+    n = units or size
+    if size % n:
+        raise ValueError(f"{what}={size} is not made of {n} equal parts")
+    first, count = tp.split(n, what)
+    part = size // n
+    return first * part, (first + count) * part
 
 
 class PackableLinear(nn.Module):
@@ -61,13 +77,22 @@ class PackableLinear(nn.Module):
 
 class ColumnParallelLinear(PackableLinear):
     """y = x @ W.T where W's rows are split across ranks; `output_sizes` are fused segments (e.g. q, k, v)
-    that are each split, so every rank holds the same share of every segment."""
+    that are each split into `units` parts (e.g. KV-head groups), so every rank holds the same parts of
+    every segment."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], tp: TensorParallel, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        tp: TensorParallel,
+        dtype: torch.dtype | None = None,
+        units: int | None = None,
+    ):
         super().__init__()
         self.tp = tp
         self.output_sizes = list(output_sizes)
-        self.local_sizes = [tp.shard(s, "output segment") for s in output_sizes]
+        self.ranges = [shard_range(s, units, tp, "output segment") for s in output_sizes]
+        self.local_sizes = [end - start for start, end in self.ranges]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local_out]
@@ -77,19 +102,28 @@ class ColumnParallelLinear(PackableLinear):
     def load_segments(self, full_weights: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full (unsharded) segment weight."""
         shards = []
-        for w, full, local in zip(full_weights, self.output_sizes, self.local_sizes, strict=True):
+        for w, full, (start, end) in zip(full_weights, self.output_sizes, self.ranges, strict=True):
             assert w.shape[0] == full, (w.shape, full)
-            shards.append(w[self.tp.rank * local : (self.tp.rank + 1) * local])
+            shards.append(w[start:end])
         self.weight.copy_(torch.cat(shards, dim=0))
 
 
 class RowParallelLinear(PackableLinear):
-    """y = x @ W.T where W's columns are split across ranks and the partial products are summed."""
+    """y = x @ W.T where W's columns (`units` equal parts) are split across ranks and the partial
+    products are summed."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TensorParallel,
+        dtype: torch.dtype | None = None,
+        units: int | None = None,
+    ):
         super().__init__()
         self.tp = tp
-        self.local_in = tp.shard(in_features, "input features")
+        self.in_range = shard_range(in_features, units, tp, "input features")
+        self.local_in = self.in_range[1] - self.in_range[0]
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, local_in] -> [T, out]
@@ -98,5 +132,5 @@ class RowParallelLinear(PackableLinear):
     @torch.no_grad()
     def load_full(self, w: torch.Tensor) -> None:
         """Copy this rank's columns of the full weight."""
-        r = self.tp.rank
-        self.weight.copy_(w[:, r * self.local_in : (r + 1) * self.local_in])
+        start, end = self.in_range
+        self.weight.copy_(w[:, start:end])

@@ -28,6 +28,16 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ingress -> LLM replicas, with the engine settings given as application arguments."""
     parsed = AppArgs.model_validate(args or {})
     tracing, slo = parsed.tracing.model_dump(), parsed.slo.model_dump()
-    replica = LLMReplica.bind(parsed.engine.model_dump(), tracing, slo)
+    replica = LLMReplica
+    if parsed.engine.tensor_parallel_size > 1:  # one bundle per rank; the replica's own actor takes the first
+        replica = LLMReplica.options(
+            placement_group_bundles=parsed.engine.placement_bundles(),
+            placement_group_strategy="STRICT_PACK",
+            ray_actor_options={
+                "num_cpus": parsed.engine.cpus_per_rank,
+                "num_gpus": 1 if parsed.engine.device.startswith("cuda") else 0,
+            },
+        )
+    replica = replica.bind(parsed.engine.model_dump(), tracing, slo)
     ingress = parsed.ingress.model_dump()
     return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing, slo, ingress)

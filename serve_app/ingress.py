@@ -36,7 +36,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from engines.errors import InvalidRequestError
+from engines.errors import EngineDeadError, InvalidRequestError
 from policies import live_routers
 from policies.slo import SLOSettings, SLOTarget
 from serve_app import tracing
@@ -180,8 +180,9 @@ def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> Non
 
 def _replica_failure(e: Exception, when: str) -> tuple[int, str, str]:
     """(status, code, message) for a replica call that raised: the replica process died or became
-    unreachable (retryable: 503) or raised inside (a fault of ours: 500)."""
-    if isinstance(e, RayActorError | ActorUnavailableError):
+    unreachable or its engine stopped, e.g. a tensor-parallel rank died (retryable: 503), or it raised
+    inside (a fault of ours: 500)."""
+    if isinstance(e, RayActorError | ActorUnavailableError | EngineDeadError):
         return 503, "replica_failed", f"the model replica failed {when} ({type(e).__name__}); retry the request"
     return 500, "internal_error", f"the model replica raised {when} ({type(e).__name__})"
 

@@ -48,6 +48,8 @@ class EngineSettings(BaseModel):
     served_model_name: str = "smollm2-135m-instruct"
     dtype: str = "bfloat16"
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks per replica: the replica reserves one bundle per rank (build_app)
+    cpus_per_rank: float = 1.0  # CPUs each rank's bundle reserves (its threads); a GPU too on cuda
     drafter: str = "lyanna"
     draft_model: str | None = None
     num_kv_blocks: int | None = None
@@ -62,10 +64,18 @@ class EngineSettings(BaseModel):
     spec_budget: int = SpecParams.budget
     spec_policy: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the spec_* values are caps
 
+    def placement_bundles(self) -> list[dict[str, float]]:
+        """One resource bundle per tensor-parallel rank: the replica runs in the first, its ranks 1..N-1
+        in the others (packed on one node)."""
+        bundle = {"CPU": self.cpus_per_rank} | ({"GPU": 1.0} if self.device.startswith("cuda") else {})
+        return [dict(bundle) for _ in range(self.tensor_parallel_size)]
+
     def engine_config(self) -> EngineConfig:
         """The engine's own config."""
         spec = SpecParams(depth=self.spec_depth, width=self.spec_width, budget=self.spec_budget)
-        fields = self.model_dump(exclude={"served_model_name", "spec_depth", "spec_width", "spec_budget"})
+        fields = self.model_dump(
+            exclude={"served_model_name", "spec_depth", "spec_width", "spec_budget", "cpus_per_rank"}
+        )
         return EngineConfig(**fields, spec=spec)
 
 
@@ -281,6 +291,16 @@ class LLMReplica:
         }
 
     def check_health(self) -> None:
-        """Ray Serve's health check: the engine loop must be alive."""
+        """Ray Serve's health check: the engine loop and every tensor-parallel rank must be alive."""
         if not self.async_engine.is_running:
             raise RuntimeError("engine loop is not running")
+        self.engine.check_health()
+
+    def __del__(self) -> None:
+        """Serve stops the replica: stop the loop, then the tensor-parallel ranks."""
+        async_engine = getattr(self, "async_engine", None)
+        if async_engine is not None:
+            async_engine.shutdown()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

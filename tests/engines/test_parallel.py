@@ -60,7 +60,7 @@ def test_three_way_tensor_parallel_matches_single_process(tmp_path):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), reference, rtol=1e-5, atol=1e-5)
 
 
-def test_indivisible_heads_are_refused():
+def test_more_ranks_than_kv_heads_are_refused():
     cfg = LlamaConfig(
         vocab_size=64,
         hidden_size=48,
@@ -72,5 +72,5 @@ def test_indivisible_heads_are_refused():
     from engines.config import ModelConfig
     from engines.model import LlamaModel
 
-    with pytest.raises(ValueError, match="not divisible"):
-        LlamaModel(ModelConfig.from_hf_dict(cfg.to_dict()), torch.float32, TensorParallel(world_size=2))
+    with pytest.raises(ValueError, match="num_kv_heads=3 is fewer than the tensor-parallel size 4"):
+        LlamaModel(ModelConfig.from_hf_dict(cfg.to_dict()), torch.float32, TensorParallel(world_size=4))

@@ -1,0 +1,108 @@
+"""Tensor-parallel engines: rank 0 in this process, rank 1 a Ray actor (gloo, fp32, the embedded model).
+
+The embedded model has 3 KV heads, so two ranks hold 2 and 1 of them (an uneven split).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.parallel import TensorParallel
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from tests.conftest import CHAT_PROMPTS
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def worker_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("lyanna-tp::")]
+
+
+def engine(tp: int, drafter: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(dtype="float32", num_kv_blocks=128, drafter=drafter, tensor_parallel_size=tp, max_num_seqs=8)
+    )
+
+
+def run_mixed_batch(e: LLMEngine) -> dict[str, list[int]]:
+    """Greedy outputs of a batch that changes as it runs: two requests first, two more joining mid-run,
+    one of them with speculation off."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got: dict[str, list[int]] = {}
+    for i in (0, 1):
+        e.add_request(CHAT_PROMPTS[i], params, request_id=f"r{i}")
+    steps = 0
+    while e.has_unfinished():
+        if steps == 3:
+            e.add_request(CHAT_PROMPTS[2], params, request_id="r2", spec=SpecParams(enabled=False))
+            e.add_request(CHAT_PROMPTS[3], params, request_id="r3")
+        for out in e.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    return got
+
+
+def test_split_is_balanced_and_covers_every_unit():
+    for units in (1, 3, 7, 9, 1536):
+        for world in range(1, min(units, 5) + 1):
+            shares = [TensorParallel(world_size=world, rank=r).split(units, "x") for r in range(world)]
+            assert [s for s, _ in shares] == [sum(c for _, c in shares[:r]) for r in range(world)]
+            counts = [c for _, c in shares]
+            assert sum(counts) == units and max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+    with pytest.raises(ValueError, match="fewer than the tensor-parallel size"):
+        TensorParallel(world_size=4, rank=0).split(3, "num_kv_heads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "lyanna", "eagle"])
+def test_two_ranks_give_the_single_rank_greedy_outputs(local_ray, drafter):
+    want = run_mixed_batch(engine(1, drafter))
+    e = engine(2, drafter)
+    try:
+        assert e.model.attn_kv_heads == 2 and e.kv_cache.k.shape[2] == 2  # rank 0's share of 3 KV heads
+        assert len(worker_names()) == 1
+        got = run_mixed_batch(e)
+        assert got == want
+        assert sorted(got) == ["r0", "r1", "r2", "r3"] and all(got.values())
+        if drafter != "none":  # accepted paths were moved in the cache on both ranks
+            assert e.stats().spec.num_accepted_tokens > 0
+        assert e.stats().kv_free_blocks == 128
+        e.check_health()
+    finally:
+        e.shutdown()
+    deadline = time.monotonic() + 30
+    while worker_names() and time.monotonic() < deadline:  # no stray ranks
+        time.sleep(0.2)
+    assert worker_names() == []
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_step_and_the_health_check(local_ray):
+    e = engine(2, "none")
+    try:
+        e.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        e.step()
+        e.check_health()
+        (name,) = worker_names()
+        ray.kill(ray.get_actor(name, namespace="lyanna"))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            for _ in range(100):
+                e.step()
+        assert time.monotonic() - start < 10  # a closed connection, not the collective timeout
+        with pytest.raises(RuntimeError, match="died|not running"):
+            e.check_health()
+    finally:
+        e.shutdown()
