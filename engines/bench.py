@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)"
-    )
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
     ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")

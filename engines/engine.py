@@ -213,9 +213,7 @@ class LLMEngine:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
             spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32)
             self.workers.start(spec, config.max_num_seqs)
-            self.runner = ParallelModelRunner(
-                self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers
-            )
+            self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0
         self.busy_seconds = 0.0

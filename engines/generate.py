@@ -45,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)"
-    )
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

@@ -172,9 +172,8 @@ class WorkerGroup:
             threads = max(1, int(resources["num_cpus"]))
             # Named (lyanna-tp::<group>::rank<r>) so operators can find a replica's ranks in `ray list actors`.
             options["name"], options["namespace"] = f"lyanna-tp::{self.group_id}::rank{rank}", "lyanna"
-            self.workers.append(
-                actor.options(**resources, **options).remote(model, dtype, device, rank, world, host, store.port, threads)
-            )
+            args = (model, dtype, device, rank, world, host, store.port, threads)
+            self.workers.append(actor.options(**resources, **options).remote(*args))
         self.tp, control = connect(0, world, host, store.port, torch.device(device), store)
         self.store = store  # the store must outlive the groups
         self.channel = Channel(control)

@@ -102,7 +102,7 @@ def test_a_dead_rank_fails_the_step_and_the_health_check(local_ray):
             for _ in range(100):
                 e.step()
         assert time.monotonic() - start < 10  # a closed connection, not the collective timeout
-        with pytest.raises(RuntimeError, match="died|not running"):
+        with pytest.raises(RuntimeError, match=r"died|not running"):
             e.check_health()
     finally:
         e.shutdown()
