@@ -87,13 +87,8 @@ def with_(**fields) -> dict:
 
 # (label, body, extra headers, status, param): the README's hostile-input table.
 HOSTILE = [
-    (
-        "lone surrogate in content",
-        b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}' % MODEL.encode(),
-        {},
-        400,
-        None,
-    ),
+    ("lone surrogate in content", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+     % MODEL.encode(), {}, 400, None),
     ("invalid UTF-8", b'{"model": "\xff\xfe"}', {}, 400, None),
     ("JSON nested 10,000 deep", b'{"model": "m", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", {}, 400, None),
     ("not JSON", b"{not json", {}, 400, None),
@@ -109,20 +104,10 @@ HOSTILE = [
     ("n = 2", with_(n=2), {}, 400, "n"),
     ("unknown field", with_(logprobs_please=True), {}, 400, "logprobs_please"),
     ("tool role", with_(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0].role"),
-    (
-        "image part",
-        with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-        {},
-        400,
-        "messages[0].content",
-    ),
-    (
-        "message name (template has none)",
-        with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]),
-        {},
-        400,
-        "messages[0].name",
-    ),
+    ("image part", with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400,
+     "messages[0].content"),
+    ("message name (template has none)", with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]), {},
+     400, "messages[0].name"),
     ("presence_penalty = 1", with_(presence_penalty=1), {}, 400, "presence_penalty"),
     ("logprobs = true", with_(logprobs=True), {}, 400, "logprobs"),
     ("tools", with_(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
@@ -132,13 +117,8 @@ HOSTILE = [
     ("unknown model", with_(model="gpt-9"), {}, 404, "model"),
     ("unknown SLO class", with_(slo={"class": "gold"}), {}, 400, "slo.class"),
     ("text/plain body", OK, {"content-type": "text/plain"}, 415, None),
-    (
-        "3 MiB body",
-        b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 3 * 2**20 + b'"}]}',
-        {},
-        413,
-        None,
-    ),
+    ("3 MiB body", b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 3 * 2**20 + b'"}]}', {}, 413,
+     None),
 ]
 
 
@@ -180,15 +160,8 @@ def test_current_clients_fields_are_honoured_or_neutral(url):
     assert content[0] == content[1]
     # Neutral values of unsupported features ask for nothing and are accepted.
     neutral = with_(
-        presence_penalty=0,
-        frequency_penalty=0,
-        logprobs=False,
-        response_format={"type": "text"},
-        tools=[],
-        tool_choice="none",
-        store=False,
-        user="u-1",
-        max_completion_tokens=4,
+        presence_penalty=0, frequency_penalty=0, logprobs=False, response_format={"type": "text"}, tools=[],
+        tool_choice="none", store=False, user="u-1", max_completion_tokens=4,
     )
     assert post(url, neutral).status_code == 200
 
