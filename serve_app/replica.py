@@ -268,6 +268,8 @@ class LLMReplica:
             "slo_attainment": self.slo_tracker.attainment(now),
             "slo_requests": self.slo_tracker.count(now),
             "spec_policy": self.engine.policy.name,
+            "tensor_parallel_size": self.settings.tensor_parallel_size,
+            "tensor_parallel_group": None if self.engine.workers is None else self.engine.workers.group_id,
             "policy": self.engine.policy.stats(),
         }
 
