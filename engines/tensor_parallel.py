@@ -8,15 +8,18 @@ its two all-reduces per layer. The embedding and LM head are replicated, so rank
 with full logits and last-layer hidden states, which is what verification and the drafters need.
 
 Each replica has its own process groups, made from a TCP store rank 0 hosts (not the process-wide
-default group): a gloo group carries the commands; the forward's all-reduces run on it too on CPU, on
-an NCCL group on CUDA.
+default group). CPU ranks (one node) pass commands and sum partial results through shared memory
+(engines/shm_channel.py, engines/shm_all_reduce.py), with a gloo group for what does not fit; CUDA
+ranks use a gloo group for commands and an NCCL group for the sums.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,10 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines import shm_all_reduce, shm_channel
 from engines.kv_cache import PagedKVCache
 from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner, StepResult
 from engines.parallel import TensorParallel
+from engines.shm_all_reduce import SharedMemoryAllReduce
+from engines.shm_channel import SharedMemoryChannel
 from engines.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -47,18 +53,40 @@ class CacheSpec:
 
 
 def connect(
-    rank: int, world: int, host: str, port: int, device: torch.device, store: dist.Store | None = None
-) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Join a replica's process groups: (this rank's `TensorParallel` for the forward, the gloo control
-    group). Blocks until every rank has joined."""
+    rank: int,
+    world: int,
+    host: str,
+    port: int,
+    device: torch.device,
+    shm_prefix: str | None,
+    store: dist.Store | None = None,
+) -> tuple[TensorParallel, Channel | SharedMemoryChannel]:
+    """Join a replica's process groups: (this rank's `TensorParallel` for the forward, the command
+    channel). Blocks until every rank has joined. CPU ranks given `shm_prefix` sum and talk through
+    the shared files made by `create_shared_files` (engines/shm_all_reduce.py, engines/shm_channel.py);
+    otherwise commands go through gloo and sums through gloo (CPU) or NCCL (CUDA)."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    shared = device.type == "cpu" and shm_prefix is not None
+    if shared:  # mapped before joining: rank 0 removes the files once everyone has joined
+        reducer = SharedMemoryAllReduce(shm_prefix + "-sum", rank, world, TIMEOUT_S)
+        channel = SharedMemoryChannel(shm_prefix + "-cmd", rank, world, TIMEOUT_S)
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, timeout)
+    if shared:
+        reducer.fallback = channel.fallback = control
+        return TensorParallel(world_size=world, rank=rank, group=control, reducer=reducer), channel
     compute = control
     if device.type == "cuda":
         compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world)
-    return TensorParallel(world_size=world, rank=rank, group=compute), control
+    return TensorParallel(world_size=world, rank=rank, group=compute), Channel(control)
+
+
+def create_shared_files(prefix: str, world: int) -> list[str]:
+    """The files `connect` maps for CPU ranks on one node; returns their paths."""
+    shm_all_reduce.create_segment(prefix + "-sum", world)
+    shm_channel.create_segment(prefix + "-cmd", world)
+    return [prefix + "-sum", prefix + "-cmd"]
 
 
 class Channel:
@@ -98,13 +126,21 @@ class TensorParallelWorker:
     """Rank r >= 1 of a replica (a Ray actor): loads its shard, then runs the commands rank 0 sends."""
 
     def __init__(
-        self, model: str | None, dtype: str, device: str, rank: int, world: int, host: str, port: int, threads: int
+        self,
+        model: str | None,
+        dtype: str,
+        device: str,
+        rank: int,
+        world: int,
+        host: str,
+        port: int,
+        shm_prefix: str | None,
+        threads: int,
     ):
         torch.set_num_threads(threads)
         self.rank = rank
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device(device)
-        self.tp, control = connect(rank, world, host, port, self.device)
-        self.channel = Channel(control)
+        self.tp, self.channel = connect(rank, world, host, port, self.device, shm_prefix)
         self.model = load_model(model, dtype, self.device, tp=self.tp).model
         self.runner: ModelRunner | None = None
         self.running = False
@@ -141,7 +177,9 @@ class TensorParallelWorker:
 
     def ping(self) -> dict[str, Any]:
         """Liveness for the replica's health check: rank, whether the command loop runs, steps run."""
-        return {"rank": self.rank, "running": self.running, "steps": self.steps}
+        reducer = self.tp.reducer
+        wait = getattr(reducer, "wait_seconds", None)
+        return {"rank": self.rank, "running": self.running, "steps": self.steps, "all_reduce_wait_s": wait}
 
 
 class WorkerGroup:
@@ -159,6 +197,11 @@ class WorkerGroup:
         host = ray.util.get_node_ip_address()
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        shm_prefix, files = None, []  # CPU ranks on one node (placement STRICT_PACK) share memory
+        if not device.startswith("cuda") and shm_all_reduce.supported():
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            shm_prefix = os.path.join(folder, f"lyanna-tp-{self.group_id}")
+            files = create_shared_files(shm_prefix, world)
         pg = ray.util.get_current_placement_group()
         actor = ray.remote(TensorParallelWorker)
         self.workers = []
@@ -172,17 +215,26 @@ class WorkerGroup:
             threads = max(1, int(resources["num_cpus"]))
             # Named (lyanna-tp::<group>::rank<r>) so operators can find a replica's ranks in `ray list actors`.
             options["name"], options["namespace"] = f"lyanna-tp::{self.group_id}::rank{rank}", "lyanna"
-            args = (model, dtype, device, rank, world, host, store.port, threads)
+            args = (model, dtype, device, rank, world, host, store.port, shm_prefix, threads)
             self.workers.append(actor.options(**resources, **options).remote(*args))
-        self.tp, control = connect(0, world, host, store.port, torch.device(device), store)
+        try:
+            self.tp, self.channel = connect(0, world, host, store.port, torch.device(device), shm_prefix, store)
+        finally:
+            for f in files:
+                os.unlink(f)  # every rank has mapped them by now (they map them before joining)
         self.store = store  # the store must outlive the groups
-        self.channel = Channel(control)
         self.loops: list[Any] = []
 
     def start(self, spec: CacheSpec, max_num_seqs: int) -> None:
         """Give every rank its cache and start its command loop."""
         self.loops = [w.run.remote() for w in self.workers]
         self.channel.send(("setup", spec, max_num_seqs))
+
+    def states(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """Every other rank's `ping`."""
+        import ray
+
+        return ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
 
     def check(self, timeout_s: float = 10.0) -> None:
         """Raise if a rank has died or its command loop has stopped (the replica's health check)."""
@@ -195,7 +247,7 @@ class WorkerGroup:
                 raise RuntimeError("a tensor-parallel rank stopped its command loop")
             except ray.exceptions.RayError as e:
                 raise RuntimeError(f"a tensor-parallel rank died: {e}") from e
-        states = ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+        states = self.states(timeout_s)
         stopped = [s["rank"] for s in states if not s["running"]]
         if stopped:
             raise RuntimeError(f"tensor-parallel ranks {stopped} are not running")

@@ -98,6 +98,9 @@ def test_cluster_shape(path, doc):
     llm = {d["name"]: d for d in served["applications"][0]["deployments"]}["LLMReplica"]
     (gpu,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == "gpu"]
     container = gpu["template"]["spec"]["containers"][0]
-    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == llm["ray_actor_options"]["num_gpus"]
+    engine = served["applications"][0]["args"]["engine"]
+    # GPUs per replica = its tensor-parallel size: rank 0 takes one, its ranks one bundle each, all in one pod.
+    assert llm["ray_actor_options"]["num_gpus"] == 1
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == engine["tensor_parallel_size"]
     assert gpu["maxReplicas"] >= llm["autoscaling_config"]["max_replicas"]
     assert container["readinessProbe"] and container["livenessProbe"]

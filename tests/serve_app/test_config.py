@@ -41,3 +41,25 @@ def test_unknown_or_wrong_engine_args_fail_validation():
         AppArgs.model_validate({"engine": {"dtyp": "bfloat16"}})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"engine": {"max_num_seqs": "many"}})
+
+
+def test_the_tensor_parallel_example_is_serve_config_with_two_ranks_per_replica():
+    base = yaml.safe_load(CONFIG.read_text())
+    tp2 = yaml.safe_load((CONFIG.parent / "serve_config.tp2.yaml").read_text())
+    ServeDeploySchema.model_validate(tp2)
+    engine = AppArgs.model_validate(tp2["applications"][0]["args"]).engine
+    assert engine.tensor_parallel_size == 2 and engine.engine_config().tensor_parallel_size == 2
+    assert engine.placement_bundles() == [{"CPU": 1.0}, {"CPU": 1.0}]
+    llm = {d["name"]: d for d in tp2["applications"][0]["deployments"]}["LLMReplica"]
+    assert llm["ray_actor_options"]["num_cpus"] == engine.cpus_per_rank  # rank 0 runs in the first bundle
+    base_app = base["applications"][0]
+    base_app["args"]["engine"]["tensor_parallel_size"] = 2
+    {d["name"]: d for d in base_app["deployments"]}["LLMReplica"]["autoscaling_config"]["max_replicas"] = 1
+    assert tp2 == base
+
+
+def test_gpu_ranks_reserve_a_gpu_each():
+    from serve_app.replica import EngineSettings
+
+    settings = EngineSettings(device="cuda", tensor_parallel_size=4, cpus_per_rank=2)
+    assert settings.placement_bundles() == [{"CPU": 2, "GPU": 1.0}] * 4
