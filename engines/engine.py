@@ -187,8 +187,9 @@ class LLMEngine:
         dtype = kv_cache_dtype(kv_setting, parse_dtype(config.dtype), self.device)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            # per rank: rank 0 holds the most KV heads when they do not split evenly
-            per_token = PagedKVCache.bytes_per_token(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, dtype)
+            # per rank: the rank holding the most KV heads sets the block count every rank uses
+            most_heads = -(-cfg.num_kv_heads // config.tensor_parallel_size)
+            per_token = PagedKVCache.bytes_per_token(cfg.num_layers, most_heads, cfg.head_dim, dtype)
             num_blocks = max(1, int(config.kv_cache_gib * 2**30) // (per_token * config.block_size))
         if dtype == torch.float32 and self.model.dtype != torch.float32:
             self.model.compute_in(torch.float32)  # this CPU would emulate bf16 math: only the GEMMs keep it

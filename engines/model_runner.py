@@ -60,8 +60,9 @@ class ModelRunner:
             )
         return self.block_tables
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """One target forward over every sequence's new tokens; K/V are written to the cache."""
+    def execute(self, plan: StepPlan, logits: bool = True) -> StepResult:
+        """One target forward over every sequence's new tokens; K/V are written to the cache. Without
+        `logits` (a tensor-parallel rank other than 0) no logits rows are computed."""
         seqs = []
         for b in range(plan.num_seqs):
             lo, hi = plan.query_start[b], plan.query_start[b + 1]
@@ -72,9 +73,10 @@ class ModelRunner:
         meta = build_attention_metadata(seqs, self.kv.block_size, self.device, tables)
         host = torch.tensor([plan.token_ids, plan.positions], dtype=torch.long)
         ids_positions = host.to(self.device, non_blocking=True)
-        logits_index = torch.tensor(plan.logits_indices, dtype=torch.long).to(self.device, non_blocking=True)
-        logits, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
-        return StepResult(logits, hidden, plan)
+        rows = plan.logits_indices if logits else []
+        logits_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        out, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
+        return StepResult(out, hidden, plan)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy cached K/V from slots `src` to slots `dst` (accepted draft paths), every layer."""

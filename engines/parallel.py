@@ -5,7 +5,7 @@ row-parallel layer holds a slice of the input features and sums partial results 
 Attention is split by KV-head groups (a rank holds some KV heads and the query heads that read them)
 and the MLP by channels, so that each rank computes whole heads locally and the only communication is
 one all-reduce after `o_proj` and one after `down_proj`. Splits need not be even: 3 KV heads over 2
-ranks give 2 and 1 (the embedded model has 3), sizes differing by at most one unit.
+ranks give 1 and 2 (the embedded model has 3), sizes differing by at most one unit.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ class TensorParallel:
 
     def split(self, units: int, what: str) -> tuple[int, int]:
         """This rank's share of `units` indivisible parts (heads, channels): (first, count), as even as
-        can be (earlier ranks take one more when they do not divide)."""
+        can be. When they do not divide, the last ranks take one more: rank 0 also schedules, drafts
+        and samples, so it gets the lighter share."""
         if units < self.world_size:
             raise ValueError(f"{what}={units} is fewer than the tensor-parallel size {self.world_size}")
         base, extra = divmod(units, self.world_size)
-        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
+        light = self.world_size - extra  # ranks with `base` units; the rest have one more
+        return self.rank * base + max(0, self.rank - light), base + (self.rank >= light)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` across ranks in place (no-op on one rank)."""

@@ -161,7 +161,7 @@ class TensorParallelWorker:
                     _, moves, plan = command
                     assert self.runner is not None, "step before setup"
                     self.runner.move_kv(*moves)
-                    self.runner.execute(plan)
+                    self.runner.execute(plan, logits=False)  # rank 0 alone reads logits
                     self.steps += 1
                 else:
                     raise ValueError(f"unknown command {kind!r}")
@@ -285,14 +285,14 @@ class ParallelModelRunner(ModelRunner):
         self.pending_moves[0].extend(src)
         self.pending_moves[1].extend(dst)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, logits: bool = True) -> StepResult:
         """Broadcast the step, then run rank 0's part of it."""
         self.step_started = start = time.monotonic()
         try:
             self.workers.channel.send(("step", self.pending_moves, plan))
             self.send_seconds += time.monotonic() - start
             self.pending_moves = ([], [])
-            return super().execute(plan)
+            return super().execute(plan, logits)
         finally:
             self.step_started = None
 
