@@ -16,6 +16,7 @@ ranks use a gloo group for commands and an NCCL group for the sums.
 from __future__ import annotations
 
 import datetime
+import glob
 import logging
 import os
 import pickle
@@ -83,7 +84,15 @@ def connect(
 
 
 def create_shared_files(prefix: str, world: int) -> list[str]:
-    """The files `connect` maps for CPU ranks on one node; returns their paths."""
+    """The files `connect` maps for CPU ranks on one node; returns their paths. Files of replicas that
+    died before every rank had joined (rank 0 removes them once all have) are swept on the way."""
+    folder, name = os.path.split(prefix)
+    for old in glob.glob(os.path.join(folder, name.rsplit("-", 1)[0] + "-*")):
+        try:
+            if time.time() - os.path.getmtime(old) > 2 * TIMEOUT_S:  # past any rank's joining deadline
+                os.unlink(old)
+        except OSError:
+            pass  # another replica swept it first
     shm_all_reduce.create_segment(prefix + "-sum", world)
     shm_channel.create_segment(prefix + "-cmd", world)
     return [prefix + "-sum", prefix + "-cmd"]

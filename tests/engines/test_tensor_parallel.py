@@ -106,3 +106,67 @@ def test_a_dead_rank_fails_the_step_and_the_health_check(local_ray):
             e.check_health()
     finally:
         e.shutdown()
+
+
+def _shared_memory_rank(rank: int, prefix: str, port: int, out: str) -> None:
+    import torch
+
+    from engines.tensor_parallel import connect
+
+    torch.manual_seed(rank)
+    tp, channel = connect(rank, 2, "127.0.0.1", port, torch.device("cpu"), prefix)
+    results = {}
+    for rows in (1, 7, 4000):  # 4,000 fp32 rows of 576 exceed a slot: the gloo fallback
+        x = torch.randn(rows, 576, dtype=torch.float32)
+        results[rows] = (x.clone(), tp.all_reduce(x).clone())
+    big = {"blob": b"x" * (5 * 2**20)}  # over the command buffer: the gloo fallback
+    if rank == 0:
+        for command in (("step", [1, 2]), big, ("stop",)):
+            channel.send(command)
+    else:
+        results["commands"] = [channel.recv() for _ in range(3)]
+    torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def test_shared_memory_sums_and_commands_match_across_ranks(tmp_path):
+    import multiprocessing
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from engines.tensor_parallel import create_shared_files
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prefix = str(tmp_path / "lyanna-tp-test")
+    create_shared_files(prefix, 2)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)  # rank 0's store
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_shared_memory_rank, args=(r, prefix, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    del store
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for rows in (1, 7, 4000):
+        (a0, s0), (a1, s1) = r0[rows], r1[rows]
+        assert torch.equal(s0, s1)  # bit-identical on both ranks
+        torch.testing.assert_close(s0, a0 + a1)
+    assert r1["commands"] == [("step", [1, 2]), {"blob": b"x" * (5 * 2**20)}, ("stop",)]
+
+
+def test_stale_shared_files_are_swept(tmp_path):
+    import os
+
+    from engines.tensor_parallel import create_shared_files
+
+    stale, fresh = tmp_path / "lyanna-tp-000000000000-sum", tmp_path / "lyanna-tp-111111111111-sum"
+    stale.touch()
+    fresh.touch()
+    os.utime(stale, (time.time() - 1000, time.time() - 1000))
+    made = create_shared_files(str(tmp_path / "lyanna-tp-222222222222"), 2)
+    assert not stale.exists() and fresh.exists() and all(os.path.exists(f) for f in made)
