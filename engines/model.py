@@ -17,7 +17,13 @@ from torch import nn
 from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
 from engines.kv_cache import PagedKVCache
-from engines.parallel import ColumnParallelLinear, PackableLinear, RowParallelLinear, TensorParallel
+from engines.parallel import (
+    ColumnParallelLinear,
+    PackableLinear,
+    RowParallelLinear,
+    TensorParallel,
+    balanced_shares,
+)
 from kernels import onednn_linear
 
 
@@ -118,13 +124,29 @@ class Attention(nn.Module):
         return self.o_proj(paged_attention(q, k_cache, v_cache, meta, self.scale))
 
 
+def mlp_shares(cfg: ModelConfig, tp: TensorParallel) -> list[int] | None:
+    """MLP channels per rank: an even split, unless the KV heads split unevenly; then the ranks with
+    fewer heads take more channels, so every rank holds about the same weights (and no rank waits for
+    another at each all-reduce). None: even."""
+    if tp.world_size == 1:
+        return None
+    heads = tp.counts(cfg.num_kv_heads)
+    if len(set(heads)) == 1:
+        return None
+    group = cfg.num_heads // cfg.num_kv_heads
+    per_kv_head = (2 * group + 2) * cfg.head_dim * cfg.hidden_size  # its q and o rows/columns, its k and v
+    return balanced_shares(cfg.intermediate_size, 3 * cfg.hidden_size, [h * per_kv_head for h in heads])
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, dtype)
+        shares = mlp_shares(cfg, tp)
+        size, hidden = cfg.intermediate_size, cfg.hidden_size
+        self.gate_up_proj = ColumnParallelLinear(hidden, [size] * 2, tp, dtype, shares=shares)
+        self.down_proj = RowParallelLinear(size, hidden, tp, dtype, shares=shares)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -30,6 +30,10 @@ class TensorParallel:
     group: Any = None
     reducer: Callable[[torch.Tensor], torch.Tensor] | None = None  # a faster all-reduce than the group's
 
+    def counts(self, units: int) -> list[int]:
+        """How many of `units` parts each rank holds under `split`."""
+        return [TensorParallel(self.world_size, r).split(units, "units")[1] for r in range(self.world_size)]
+
     def split(self, units: int, what: str) -> tuple[int, int]:
         """This rank's share of `units` indivisible parts (heads, channels): (first, count), as even as
         can be. When they do not divide, the last ranks take one more: rank 0 also schedules, drafts
@@ -49,13 +53,34 @@ class TensorParallel:
         return x
 
 
-def shard_range(size: int, units: int | None, tp: TensorParallel, what: str) -> tuple[int, int]:
+def balanced_shares(units: int, unit_cost: int, fixed_costs: list[int]) -> list[int]:
+    """Parts per rank (at least one each, `units` in all) that even out each rank's total cost, rank r
+    already carrying `fixed_costs[r]` (e.g. MLP channels around an uneven split of attention heads)."""
+    world = len(fixed_costs)
+    target = (sum(fixed_costs) + units * unit_cost) / world
+    shares = [max(1, round((target - fixed) / unit_cost)) for fixed in fixed_costs]
+    r = world - 1
+    while (diff := units - sum(shares)) != 0:  # rounding: settle the difference from the last rank back
+        step = 1 if diff > 0 else -1
+        if shares[r] + step >= 1:
+            shares[r] += step
+        r = (r - 1) % world
+    return shares
+
+
+def shard_range(
+    size: int, units: int | None, tp: TensorParallel, what: str, shares: list[int] | None = None
+) -> tuple[int, int]:
     """Rows (or columns) [start, end) of a dimension of `size` made of `units` equal parts (None: every
-    element is a part) that this rank holds."""
+    element is a part) that this rank holds: `shares[r]` parts for rank r when given, else `tp.split`."""
     n = units or size
     if size % n:
         raise ValueError(f"{what}={size} is not made of {n} equal parts")
-    first, count = tp.split(n, what)
+    if shares is None:
+        first, count = tp.split(n, what)
+    else:
+        assert len(shares) == tp.world_size and sum(shares) == n, (shares, n)
+        first, count = sum(shares[: tp.rank]), shares[tp.rank]
     part = size // n
     return first * part, (first + count) * part
 
@@ -83,7 +108,7 @@ class PackableLinear(nn.Module):
 class ColumnParallelLinear(PackableLinear):
     """y = x @ W.T where W's rows are split across ranks; `output_sizes` are fused segments (e.g. q, k, v)
     that are each split into `units` parts (e.g. KV-head groups), so every rank holds the same parts of
-    every segment."""
+    every segment (`shares[r]` of them for rank r when given, else an even split)."""
 
     def __init__(
         self,
@@ -92,11 +117,12 @@ class ColumnParallelLinear(PackableLinear):
         tp: TensorParallel,
         dtype: torch.dtype | None = None,
         units: int | None = None,
+        shares: list[int] | None = None,
     ):
         super().__init__()
         self.tp = tp
         self.output_sizes = list(output_sizes)
-        self.ranges = [shard_range(s, units, tp, "output segment") for s in output_sizes]
+        self.ranges = [shard_range(s, units, tp, "output segment", shares) for s in output_sizes]
         self.local_sizes = [end - start for start, end in self.ranges]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype), requires_grad=False)
 
@@ -124,10 +150,11 @@ class RowParallelLinear(PackableLinear):
         tp: TensorParallel,
         dtype: torch.dtype | None = None,
         units: int | None = None,
+        shares: list[int] | None = None,
     ):
         super().__init__()
         self.tp = tp
-        self.in_range = shard_range(in_features, units, tp, "input features")
+        self.in_range = shard_range(in_features, units, tp, "input features", shares)
         self.local_in = self.in_range[1] - self.in_range[0]
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=dtype), requires_grad=False)
 

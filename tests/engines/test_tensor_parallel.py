@@ -170,3 +170,18 @@ def test_stale_shared_files_are_swept(tmp_path):
     os.utime(stale, (time.time() - 1000, time.time() - 1000))
     made = create_shared_files(str(tmp_path / "lyanna-tp-222222222222"), 2)
     assert not stale.exists() and fresh.exists() and all(os.path.exists(f) for f in made)
+
+
+def test_mlp_channels_even_out_an_uneven_head_split(checkpoint):
+    from engines.config import ModelConfig
+    from engines.model import mlp_shares
+
+    cfg = ModelConfig.from_json_file(checkpoint / "config.json")  # 3 KV heads
+    assert mlp_shares(cfg, TensorParallel(world_size=1)) is None
+    assert mlp_shares(cfg, TensorParallel(world_size=3)) is None  # one head each: even
+    shares = mlp_shares(cfg, TensorParallel(world_size=2))
+    assert sum(shares) == cfg.intermediate_size and shares[0] > shares[1]  # rank 0 holds 1 head, rank 1 2
+    group = cfg.num_heads // cfg.num_kv_heads
+    per_head = (2 * group + 2) * cfg.head_dim * cfg.hidden_size
+    weights = [h * per_head + c * 3 * cfg.hidden_size for h, c in zip([1, 2], shares, strict=True)]
+    assert abs(weights[0] - weights[1]) <= 3 * cfg.hidden_size  # within one channel
