@@ -34,10 +34,15 @@ def segment_bytes(world: int) -> int:
     return 8 * _HEADER_WORDS * world + 2 * world * SLOT_BYTES
 
 
+def zero_file(path: str, nbytes: int) -> None:
+    """Make a zero-filled file of `nbytes` (a shared segment, before any rank maps it)."""
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+
+
 def create_segment(path: str, world: int) -> None:
     """Make the zero-filled shared file (rank 0, before the other ranks open it)."""
-    with open(path, "wb") as f:
-        f.truncate(segment_bytes(world))
+    zero_file(path, segment_bytes(world))
 
 
 class SharedMemoryAllReduce:

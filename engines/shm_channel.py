@@ -6,7 +6,7 @@ all-reduce. Here rank 0 writes the pickled command into the shared buffer and pu
 number; the other ranks spin on it (yielding the CPU between checks) while commands come often, and
 sleep between checks after `IDLE_AFTER_S` without one. Each rank acknowledges a command once it has
 copied it out; rank 0 writes the next one only when every rank has. Commands larger than the buffer go
-through the fallback (a gloo broadcast), announced in the buffer. Store ordering as in
+through the fallback channel (gloo broadcasts), announced in the buffer. Store ordering as in
 engines/shm_all_reduce.py (x86-64).
 """
 
@@ -18,9 +18,8 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from engines.shm_all_reduce import alive
+from engines.shm_all_reduce import alive, zero_file
 
 COMMAND_BYTES = 4 * 2**20
 IDLE_AFTER_S = 0.05  # without a command for this long, a rank sleeps between checks ...
@@ -35,14 +34,13 @@ def segment_bytes(world: int) -> int:
 
 def create_segment(path: str, world: int) -> None:
     """Make the zero-filled shared file (rank 0, before the other ranks open it)."""
-    with open(path, "wb") as f:
-        f.truncate(segment_bytes(world))
+    zero_file(path, segment_bytes(world))
 
 
 class SharedMemoryChannel:
     """Rank 0 sends (`send`), every other rank receives (`recv`), one command at a time, in order."""
 
-    fallback: dist.ProcessGroup | None = None  # set once the process group exists
+    fallback: Any = None  # the gloo `Channel` (engines/tensor_parallel.py), set once its group exists
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
@@ -65,9 +63,8 @@ class SharedMemoryChannel:
         self.header[1] = -1 if large else len(data)
         self.header[0] = self.seq  # after the payload and its length: x86 keeps the stores in order
         if large:
-            assert self.fallback is not None, "no fallback group"
-            _broadcast(self.fallback, torch.tensor([len(data)], dtype=torch.int64))
-            _broadcast(self.fallback, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            assert self.fallback is not None, "no fallback channel"
+            self.fallback.send(command)
 
     def recv(self) -> Any:
         """(Other ranks) the next command rank 0 sent."""
@@ -79,12 +76,8 @@ class SharedMemoryChannel:
             self.acks[self.rank] = self.seq
             return pickle.loads(data)
         self.acks[self.rank] = self.seq
-        assert self.fallback is not None, "no fallback group"
-        n = torch.zeros(1, dtype=torch.int64)
-        _broadcast(self.fallback, n)
-        buf = torch.empty(int(n[0]), dtype=torch.uint8)
-        _broadcast(self.fallback, buf)
-        return pickle.loads(buf.numpy().tobytes())
+        assert self.fallback is not None, "no fallback channel"
+        return self.fallback.recv()
 
     def _wait(self, ready: Any, what: str, idle: bool = False) -> None:
         """Spin (yielding) until `ready()`; sleep between checks once idle; raise if rank 0 died or,
@@ -104,8 +97,3 @@ class SharedMemoryChannel:
             if not idle and now - start > self.timeout_s:
                 raise RuntimeError(f"waited {self.timeout_s:.0f} s for {what}")
 
-
-def _broadcast(group: dist.ProcessGroup, t: torch.Tensor) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    group.broadcast([t], opts).wait()

@@ -75,7 +75,7 @@ def connect(
         channel = SharedMemoryChannel(shm_prefix + "-cmd", rank, world, TIMEOUT_S)
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world, timeout)
     if shared:
-        reducer.fallback = channel.fallback = control
+        reducer.fallback, channel.fallback = control, Channel(control)
         return TensorParallel(world_size=world, rank=rank, group=control, reducer=reducer), channel
     compute = control
     if device.type == "cuda":
