@@ -12,7 +12,8 @@ sequences (`plan_groups`) so that each scaled-dot-product call reads only keys i
 sequences with many new tokens (prefill chunks) attend alone, over a view of the cache when their
 slots are contiguous; short queries (decodes, trees) of similar context lengths attend together,
 padded to the longest in their group. `reference_paged_attention` is the per-sequence definition the
-tests hold it to. (A GPU kernel reading the block tables in place comes behind the same signature.)
+tests hold it to. On CUDA (or when forced) the Triton kernel of `kernels/paged_attention.py` runs instead, reading
+the blocks in place through the block tables.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
 
 MAX_GROUPED_QUERIES = 64  # sequences with more new tokens than this attend alone
 GROUP_PADDING_RATIO = 1.3  # a group's padded query-key pairs may exceed the real ones by this factor ...
@@ -67,8 +70,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max blocks] int32 (rows padded with 0)
     seq_lens: torch.Tensor  # [B] keys per sequence (cached + new)
     query_start: torch.Tensor  # [B + 1] offsets of each sequence's new tokens in the flat batch
-    groups: list[AttentionGroup]  # the CPU implementation's calls
+    groups: list[AttentionGroup]  # the CPU implementation's calls (empty when the Triton kernel runs)
     num_tokens: int
+    max_query_len: int = 1  # the most new tokens of one sequence
+    block_size: int = 16
+    tree_masks: torch.Tensor | None = None  # [T, words] int32 ancestor bitmasks of tree tokens; None: no tree
+    is_tree: torch.Tensor | None = None  # [B] int32, 1 where the sequence's new tokens are a tree
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -80,6 +87,17 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
             mask[i] = mask[p]
         mask[i, i] = True
     return mask
+
+
+def ancestor_bitmasks(parents: list[int], words: int) -> list[list[int]]:
+    """Each node's `tree_mask` row as `words` int32 words (bit j of word w: node 32 w + j)."""
+    rows = []
+    masks: list[int] = []
+    for i, p in enumerate(parents):
+        bits = (masks[p] if p >= 0 else 0) | (1 << i)
+        masks.append(bits)
+        rows.append([((bits >> (32 * w)) & 0xFFFFFFFF) - ((bits >> (32 * w + 31)) & 1) * 2**32 for w in range(words)])
+    return rows
 
 
 def new_token_mask(seq: SequenceLayout) -> torch.Tensor:
@@ -200,8 +218,19 @@ def build_attention_metadata(
     tables = torch.zeros(len(seqs), width, dtype=torch.int32)
     for b, s in enumerate(seqs):
         tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-    groups = [_group(seqs, members, starts, block_size) for members in plan_groups(seqs)]
     to = {"device": device, "non_blocking": True}
+    triton = use_triton(torch.empty(0, device=device))
+    groups = [] if triton else [_group(seqs, members, starts, block_size) for members in plan_groups(seqs)]
+    tree_masks = is_tree = None
+    trees = [s for s in seqs if s.tree_parents is not None]
+    if triton and trees:
+        words = -(-max(s.num_new for s in trees) // 32)
+        rows = [[0] * words] * starts[-1]
+        for b, s in enumerate(seqs):
+            if s.tree_parents is not None:
+                rows[starts[b] : starts[b + 1]] = ancestor_bitmasks(s.tree_parents, words)
+        tree_masks = torch.tensor(rows, dtype=torch.int32).to(**to)
+        is_tree = torch.tensor([s.tree_parents is not None for s in seqs], dtype=torch.int32).to(**to)
     if block_tables is None:
         device_tables = tables.to(**to)
     else:
@@ -222,6 +251,10 @@ def build_attention_metadata(
         query_start=torch.tensor(starts, dtype=torch.int32).to(**to),
         groups=moved,
         num_tokens=starts[-1],
+        max_query_len=max(s.num_new for s in seqs),
+        block_size=block_size,
+        tree_masks=tree_masks,
+        is_tree=is_tree,
     )
 
 
@@ -233,6 +266,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, num_heads * head_dim], in the cache's dtype
     """Scaled dot-product attention of each new token over its sequence's cached and new keys."""
+    if use_triton(q):
+        from kernels.paged_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k_cache, v_cache, meta, scale)
     T, heads, dim = q.shape
     q = q.to(k_cache.dtype)
     if len(meta.groups) == 1 and meta.groups[0].out_rows is None and meta.groups[0].real_rows is None:

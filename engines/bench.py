@@ -110,6 +110,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        kernels=args.kernels,
         max_num_seqs=max(args.batch_size, 1),
         drafter=drafter,
         draft_model=checkpoint,
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
+    ap.add_argument(
+        "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
+    )
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
     ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")

@@ -28,6 +28,7 @@ from engines.step_plan import StepPlan
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from engines.verification import VerifyItem, VerifyResult, verify_batch
+from kernels.dispatch import KERNEL_MODES, default_kernel_mode, set_kernel_mode
 from policies.speculation import AdaptivePolicy, AdaptiveSettings, StepRecord, make_policy
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,10 @@ class EngineConfig:
     lyanna_resampling: bool = True  # re-sample after rejections (Lyanna Algorithm 2)
     lyanna_token_info_rows: int = 1024  # hot tokens in the collapsed token-info table (0: dense low-rank product)
     lyanna_fusion: bool = True  # verify a re-sampled tree fused with the next draft (off: alone, instead)
+    # Hot paths (paged attention, tree walk, token-info expansion, KV commit): "auto" = Triton kernels on
+    # CUDA and the PyTorch references on CPU; "triton" forces the kernels (CPU: TRITON_INTERPRET=1);
+    # "torch" forces the references. One mode per process (kernels/dispatch.py); default: $LYANNA_KERNELS.
+    kernels: str = field(default_factory=default_kernel_mode)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -143,6 +148,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype)
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {self.kernels!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
 
@@ -177,6 +184,7 @@ class LLMEngine:
             raise
 
     def _init(self, config: EngineConfig) -> None:
+        set_kernel_mode(config.kernels)
         tp = None if self.workers is None else self.workers.tp
         loaded = load_model(config.model, config.dtype, config.device, tp=tp)
         self.model, self.model_config, self.device = loaded.model, loaded.config, loaded.device
@@ -213,7 +221,7 @@ class LLMEngine:
         else:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
             spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32)
-            self.workers.start(spec, config.max_num_seqs)
+            self.workers.start(spec, config.max_num_seqs, config.kernels)
             self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}
         self.num_forwards = 0

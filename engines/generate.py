@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
+    ap.add_argument(
+        "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 device=args.device,
                 tensor_parallel_size=args.tensor_parallel_size,
+                kernels=args.kernels,
                 drafter=args.drafter,
                 draft_model=args.draft_model,
                 spec=spec,

@@ -8,6 +8,9 @@ from collections import deque
 import torch
 
 from engines.errors import CacheCapacityError
+from kernels.dispatch import use_triton
+
+MAX_COMMIT_MOVES = 4096  # more moves than this in one step take the PyTorch copy
 
 
 def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
@@ -28,6 +31,21 @@ def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device
     if device.type == "cpu" and not cpu_has_half_precision_math(model_dtype):
         return torch.float32
     return model_dtype
+
+
+@torch.no_grad()
+def copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """k[:, dst] = k[:, src] and the same for v ([layers, slots, kv_heads, head_dim] caches, [M] int64
+    slot indices on their device): every source is read before any destination is written. Runs the
+    Triton kernel of `kernels/kv_commit.py` where `use_triton` says so."""
+    if use_triton(k) and len(src) <= MAX_COMMIT_MOVES:
+        from kernels.kv_commit import triton_copy_slots
+
+        triton_copy_slots(k, v, src, dst)
+        return
+    # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
+    k[:, dst] = k[:, src]
+    v[:, dst] = v[:, src]
 
 
 class BlockAllocator:
@@ -156,9 +174,7 @@ class PagedKVCache:
         """Copy the K/V of slots `src` to slots `dst` in every layer, in one indexed copy."""
         if src:
             index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
-            # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
-            self.k[:, index[1]] = self.k[:, index[0]]
-            self.v[:, index[1]] = self.v[:, index[0]]
+            copy_slots(self.k, self.v, index[0], index[1])
 
     def commit_paths(self, commits: list[tuple[str, int, list[int]]]) -> None:
         """`path_moves`, then the moves on this cache (the engine sends them through its model runner,

@@ -37,6 +37,7 @@ from engines.parallel import TensorParallel
 from engines.shm_all_reduce import SharedMemoryAllReduce
 from engines.shm_channel import SharedMemoryChannel
 from engines.step_plan import StepPlan
+from kernels.dispatch import set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class TensorParallelWorker:
                 if kind == "stop":
                     return self.steps
                 if kind == "setup":
-                    self._setup(command[1], command[2])
+                    self._setup(*command[1:])
                 elif kind == "step":
                     _, moves, plan = command
                     assert self.runner is not None, "step before setup"
@@ -177,7 +178,8 @@ class TensorParallelWorker:
         finally:
             self.running = False
 
-    def _setup(self, spec: CacheSpec, max_num_seqs: int) -> None:
+    def _setup(self, spec: CacheSpec, max_num_seqs: int, kernels: str = "auto") -> None:
+        set_kernel_mode(kernels)
         if spec.compute_fp32:
             self.model.compute_in(torch.float32)
         cfg = self.model.cfg
@@ -234,10 +236,10 @@ class WorkerGroup:
         self.store = store  # the store must outlive the groups
         self.loops: list[Any] = []
 
-    def start(self, spec: CacheSpec, max_num_seqs: int) -> None:
-        """Give every rank its cache and start its command loop."""
+    def start(self, spec: CacheSpec, max_num_seqs: int, kernels: str = "auto") -> None:
+        """Give every rank its cache and kernel mode (`kernels.dispatch`) and start its command loop."""
         self.loops = [w.run.remote() for w in self.workers]
-        self.channel.send(("setup", spec, max_num_seqs))
+        self.channel.send(("setup", spec, max_num_seqs, kernels))
 
     def states(self, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """Every other rank's `ping`."""

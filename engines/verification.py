@@ -41,6 +41,7 @@ import torch
 from engines.draft_tree import DraftTree
 from engines.positional_random import gumbel_noise, seed_to_int64
 from engines.sampling import SamplingParams, processed_logprobs
+from kernels.dispatch import use_triton
 
 
 class Rng(Protocol):
@@ -274,6 +275,44 @@ def walk_sampled_trees(items: list[VerifyItem], logits: torch.Tensor, offsets: l
     return torch.stack([torch.stack(visited, 1), torch.stack(drawn, 1)], 1)
 
 
+def walk_trees(
+    target_tokens: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    offsets: torch.Tensor,
+    levels: int,
+    max_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`follow_target` for a flattened batch of trees on the device: tree r owns nodes
+    offsets[r]:offsets[r + 1] ([N] int64 target tokens, draft tokens and parents within the tree);
+    `levels` >= the deepest tree's depth + 1, `max_size` >= the largest tree. Returns the accepted
+    paths [R, levels] (node indices within each tree, root first, -1 after the end) and the bonus
+    tokens [R]. Runs the Triton kernel of `kernels/tree_walk.py` where `use_triton` says so."""
+    if use_triton(target_tokens):
+        from kernels.tree_walk import triton_walk_trees
+
+        return triton_walk_trees(target_tokens, tree_tokens, parents, offsets, levels, max_size)
+    device = target_tokens.device
+    num_trees, total = offsets.shape[0] - 1, tree_tokens.shape[0]
+    tree_of = torch.repeat_interleave(torch.arange(num_trees, device=device), offsets[1:] - offsets[:-1])
+    parent_row = torch.where(parents >= 0, parents + offsets[tree_of], -1)  # [N] global parent rows
+    node_ids = torch.arange(total, device=device)
+    node = offsets[:-1].clone()  # [R] current global rows
+    walking = torch.ones(num_trees, dtype=torch.bool, device=device)
+    path = torch.full((num_trees, levels), -1, dtype=torch.int64, device=device)
+    bonus = torch.zeros(num_trees, dtype=torch.int64, device=device)
+    for level in range(levels):
+        want = target_tokens[node]
+        path[:, level] = torch.where(walking, node - offsets[:-1], -1)
+        match = (parent_row[None, :] == node[:, None]) & (tree_tokens[None, :] == want[:, None])
+        child = torch.where(match, node_ids, total).min(1).values
+        found = child < total
+        bonus = torch.where(walking & ~found, want, bonus)
+        walking = walking & found
+        node = torch.where(walking, child, node)
+    return path, bonus
+
+
 def walked_results(walk: list[list[list[int]]], offsets: list[int]) -> list[VerifyResult]:
     """`walk_sampled_trees`' output, copied to the host, as each tree's accepted path and bonus."""
     results = []
@@ -295,6 +334,8 @@ def verify_batch(
     other sampled tokens, [M] int64 on the device), returned as a list beside the results. Stochastic
     chains get their processed distributions and draw from their generator.
     """
+    if use_triton(logits):
+        return _verify_batch_walking(items, logits, chain_verifier, also)
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
     trees = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is None]
@@ -325,3 +366,56 @@ def verify_batch(
         else:
             results.append(walked[i])
     return results, also_host
+
+
+def _verify_batch_walking(
+    items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str, also: torch.Tensor | None
+) -> tuple[list[VerifyResult], list[int]]:
+    """`verify_batch` with the target's token drawn at every node (argmax, or the positional draw for
+    the node's depth) and one `walk_trees` over all greedy and deterministic trees: a fixed number of
+    device operations, whatever the trees' depths (the GPU path)."""
+    device = logits.device
+    sizes = [it.tree.size for it in items]
+    offsets = [0, *accumulate(sizes)]
+    walked = [i for i, it in enumerate(items) if it.params.greedy or it.tree.draft_probs is None]
+    sampled = [i for i in walked if not items[i].params.greedy]
+    nodes = [(i, node) for i in walked for node in range(sizes[i])]
+    host_rows = [offsets[i] + node for i, node in nodes]
+    host = [
+        host_rows,
+        [items[i].tree.tokens[node] for i, node in nodes],
+        [items[i].tree.parents[node] for i, node in nodes],
+    ]
+    drawn_rows = [offsets[i] + node for i in sampled for node in range(sizes[i])]
+    host.append(drawn_rows)
+    host.append([seed_to_int64(items[i].seed) for i in sampled for _ in range(sizes[i])])
+    host.append([items[i].base_position + d for i in sampled for d in items[i].tree.depths])
+    walk_offsets = [0, *accumulate(sizes[i] for i in walked)]
+    lengths = [len(h) for h in host] + [len(walk_offsets)]
+    flat = torch.tensor([x for h in host for x in h] + walk_offsets, dtype=torch.int64).to(device, non_blocking=True)
+    rows, tokens, parents, drawn, seeds, positions, walk_off = flat.split(lengths)
+    target = logits.argmax(-1)
+    if sampled:
+        params = [items[i].params for i in sampled for _ in range(sizes[i])]
+        logprobs = processed_logprobs(logits[drawn], params)
+        target = target.index_copy(0, drawn, (logprobs + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(-1))
+    on_device = []
+    levels = max((items[i].tree.depth for i in walked), default=0) + 1
+    if walked:
+        largest = max(sizes[i] for i in walked)
+        path, bonus = walk_trees(target[rows], tokens, parents, walk_off, levels, largest)
+        on_device += [path.flatten(), bonus]
+    if also is not None:
+        on_device.append(also)
+    host_out = torch.cat(on_device).tolist() if on_device else []  # the one host copy
+    results: dict[int, VerifyResult] = {}
+    for r, i in enumerate(walked):
+        nodes_r = host_out[r * levels : (r + 1) * levels]
+        results[i] = VerifyResult([n for n in nodes_r if n >= 0], host_out[len(walked) * levels + r])
+    for i, it in enumerate(items):
+        if i not in results:
+            rows_i = torch.arange(offsets[i], offsets[i + 1], device=device)
+            probs = processed_logprobs(logits[rows_i], [it.params] * sizes[i]).exp()
+            results[i] = CHAIN_VERIFIERS[chain_verifier](it.tree, probs, TorchRng(it.generator))
+    also_host = host_out[len(walked) * (levels + 1) :]
+    return [results[i] for i in range(len(items))], also_host

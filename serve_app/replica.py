@@ -63,6 +63,8 @@ class EngineSettings(BaseModel):
     spec_width: int = SpecParams.width
     spec_budget: int = SpecParams.budget
     spec_policy: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the spec_* values are caps
+    # Hot paths: Triton kernels on CUDA and PyTorch on CPU ("auto"), or forced ("triton", "torch")
+    kernels: Literal["auto", "triton", "torch"] = "auto"
 
     def placement_bundles(self) -> list[dict[str, float]]:
         """One resource bundle per tensor-parallel rank: the replica runs in the first, its ranks 1..N-1

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors in Triton's interpreter; it must be on before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.loader import resolve_checkpoint

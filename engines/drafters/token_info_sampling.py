@@ -20,6 +20,8 @@ from itertools import groupby
 import torch
 
 from engines.draft_tree import DraftTree
+from engines.drafters.token_info import TokenInfoTable
+from kernels.dispatch import use_triton
 
 TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
 
@@ -110,6 +112,36 @@ def next_frontier(joint: torch.Tensor, k: int) -> torch.Tensor:
     return order.sort(dim=-1).values
 
 
+def expand_depth(
+    raw: torch.Tensor,
+    frontier_tokens: torch.Tensor,
+    frontier_scores: torch.Tensor,
+    token_info: TokenInfo | None,
+    k: int,
+    d2t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One depth of Algorithm 1 for n requests: raw [n, vocab] fp32 logits of the depth, each request's
+    frontier tokens and joint scores [n, F]. Returns the candidates' tokens and joint probabilities
+    [n, F * k] (frontier node by node, each node's top k by rank) and the next frontier, `next_frontier`
+    of the joint scores ([n, k]). A collapsed token-info table (or none) runs the Triton kernels of
+    `kernels/token_info_expansion.py` where `use_triton` says so."""
+    if use_triton(raw) and (token_info is None or isinstance(token_info, TokenInfoTable)):
+        from kernels.token_info_expansion import triton_expand_depth
+
+        return triton_expand_depth(raw, frontier_tokens, frontier_scores, token_info, k, d2t)
+    n, f = frontier_tokens.shape
+    z = raw.float().unsqueeze(1)  # [n, 1, vocab]
+    if token_info is not None:
+        z = z + token_info(frontier_tokens.flatten()).float().view(n, f, -1)
+    top_z, top_tok = z.topk(k, dim=-1)  # [n, F or 1, k]
+    top_p = (top_z - z.logsumexp(-1, keepdim=True)).exp().expand(n, f, k)  # softmax's top-k
+    top_tok = top_tok.expand(n, f, k)
+    if d2t is not None:
+        top_tok = d2t[top_tok]
+    joint = (frontier_scores.unsqueeze(2) * top_p).flatten(1)  # [n, F * k]
+    return top_tok.flatten(1), joint, next_frontier(joint, k)
+
+
 def build_subtrees(
     logits: Sequence[torch.Tensor],
     roots: Sequence[int],
@@ -153,7 +185,6 @@ def _grow_levels(
     d2t: torch.Tensor | None,
 ) -> None:
     """Algorithm 1 for requests of one width, `steps` descending: logits [n, max steps, vocab], roots [n]."""
-    vocab = logits.shape[2]
     frontier_tokens = roots.unsqueeze(1)  # [n, F]
     frontier_nodes = torch.zeros_like(frontier_tokens)
     frontier_scores = torch.ones(frontier_tokens.shape, device=logits.device)
@@ -161,17 +192,9 @@ def _grow_levels(
     for step in range(steps[0]):
         a = sum(1 for s in steps if s > step)  # requests still growing
         f = frontier_tokens.shape[1]
-        raw = logits[:a, step].unsqueeze(1)  # [a, 1, vocab]
-        z = raw if token_info is None else raw + token_info(frontier_tokens[:a].flatten()).float().view(a, f, vocab)
-        top_z, top_tok = z.topk(k, dim=-1)  # [a, F or 1, k]
-        top_p = (top_z - z.logsumexp(-1, keepdim=True)).exp().expand(a, f, k)  # softmax's top-k
-        top_tok = top_tok.expand(a, f, k)
-        if d2t is not None:
-            top_tok = d2t[top_tok]
-        joint = (frontier_scores[:a].unsqueeze(2) * top_p).flatten(1)  # [a, F * k]
-        tokens = top_tok.flatten(1)
+        frontier = (frontier_tokens[:a], frontier_scores[:a])
+        tokens, joint, keep = expand_depth(logits[:a, step], *frontier, token_info, k, d2t)
         levels.add(rows[:a], tokens, frontier_nodes[:a].unsqueeze(2).expand(a, f, k).flatten(1), joint)
-        keep = next_frontier(joint, k)
         frontier_nodes = first_new + keep
         frontier_tokens, frontier_scores = tokens.gather(1, keep), joint.gather(1, keep)
         first_new += f * k
