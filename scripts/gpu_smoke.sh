@@ -2,6 +2,7 @@
 # GPU smoke test and benchmark: run on a machine with CUDA after `make setup`.
 #  1. fp32, greedy: every drafter's output equals plain decoding (identical_to_none == 1.0).
 #  2. bf16: the benchmark table (plain, Lyanna, EAGLE) at batch 1 and 16.
+#  3. the Triton kernels against their references, and their timings (python -m kernels.bench).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,3 +24,6 @@ for b in 1 16; do
     | tail -1 > "$OUT/bench-b$b.json"
   $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch', r['batch_size'], {n: round(c['tokens_per_s'], 1) for n, c in r['configs'].items()})" "$OUT/bench-b$b.json"
 done
+# 3. Triton kernels (the default on CUDA, used by 1 and 2): each against its PyTorch reference, then timed.
+$PY -m pytest -q tests/kernels
+$PY -m kernels.bench --device cuda --dtype bfloat16 | tail -1 | tee "$OUT/kernels.json"

@@ -3,6 +3,7 @@ the compiled kernels on a GPU): paged attention, the tree walk, Lyanna's token-i
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -323,3 +324,27 @@ def test_dispatch_modes(mode, monkeypatch):
     with pytest.raises(ValueError, match="kernels must be one of"):
         dispatch.set_kernel_mode("cuda")
     assert Counter(dispatch.KERNEL_MODES) == Counter(["auto", "triton", "torch"])
+
+
+@pytest.mark.slow
+def test_kernel_benchmark_prints_one_json_line_with_every_kernel(capsys):
+    from kernels import bench
+
+    bench.main(["--device", DEVICE, "--scale", "0.03", "--reps", "1"])
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line
+    result = json.loads(line)
+    assert result["interpreter"] == (DEVICE == "cpu")
+    rows = {r["kernel"]: r for r in result["kernels"]}
+    assert set(rows) == {
+        "paged_attention_decode",
+        "paged_attention_prefill",
+        "paged_attention_tree",
+        "tree_walk",
+        "token_info_expansion",
+        "kv_commit",
+    }
+    for r in rows.values():
+        assert r["triton_ms"] > 0 and r["reference_ms"] > 0
+        assert r["max_error"] <= (0.02 if r["kernel"].startswith("paged_attention") else 1e-6)
+    assert dispatch.kernel_mode() == "auto"
