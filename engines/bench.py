@@ -14,7 +14,10 @@ tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
 transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
 the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
-ignored) so all do equal work. The last line of stdout is one JSON object; its top-level fields
+ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp (llama-cpp-python)
+on the GGUF as shipped (`llamacpp`) and converted to bf16 (`llamacpp-bf16`); it serves one sequence
+at a time. `NAME+QUANT` runs a configuration with other target weights (`none+int8`, `lyanna+none`).
+The last line of stdout is one JSON object; its top-level fields
 describe the first configuration, `configs` holds them all.
 """
 
@@ -103,6 +106,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
     as in serving, where the configured tree is the caps)."""
     variant, _, policy = variant.partition("@")
+    variant, _, quantization = variant.partition("+")
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
     return EngineConfig(
@@ -111,6 +115,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         kernels=args.kernels,
+        quantization=quantization or args.quantization,
         max_num_seqs=max(args.batch_size, 1),
         drafter=drafter,
         draft_model=checkpoint,
@@ -154,6 +159,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
     )
+    ap.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4", "gguf"],
+        help="target weights (a configuration NAME+QUANT overrides it, e.g. none+int8)",
+    )
+    ap.add_argument(
+        "--compare-llamacpp",
+        action="store_true",
+        help="also time llama.cpp on the same GGUF as shipped and converted to bf16 (the `peers` extra)",
+    )
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
     ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")
@@ -177,8 +193,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[variant] = LLMEngine(engine_config(variant, args, spec))
     first = next(iter(engines.values()))
     prompts = [first.tokenizer.apply_chat_template(r["messages"]) for r in records]
-    ignore_eos = args.ignore_eos or args.compare_hf
+    ignore_eos = args.ignore_eos or args.compare_hf or args.compare_llamacpp
     hf = HFRunner(first, args.dtype) if args.compare_hf else None
+    peers: dict[str, Any] = {}
+    if args.compare_llamacpp:
+        from engines.llamacpp_peer import LlamaCppRunner, bf16_gguf
+        from engines.loader import gguf_source
+
+        source = gguf_source(args.model)
+        if source is None:
+            raise SystemExit("--compare-llamacpp needs a GGUF model (the default or a .gguf file)")
+        peers = {"llamacpp": LlamaCppRunner(source), "llamacpp-bf16": LlamaCppRunner(bf16_gguf(source))}
 
     def run_ours(name: str, drafter: str, spec: SpecParams, wave: list[int], side: Side | None) -> None:
         engine = engines[drafter]
@@ -212,9 +237,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, o in zip(wave, outs, strict=True):
                 side.outputs[i] = o
 
+    def run_peer(name: str, wave: list[int], side: Side | None) -> None:
+        t0 = time.perf_counter()
+        outs = peers[name].run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, args.seed)
+        dt = time.perf_counter() - t0
+        if side is not None:
+            side.wall_s += dt
+            side.wave_s.append(dt)
+            for i, o in zip(wave, outs, strict=True):
+                side.outputs[i] = o
+
     runners = [
         (n, lambda w, s, d=d, sp=sp, n=n: run_ours(n, d, sp, w, s)) for n, (d, sp) in zip(names, configs, strict=True)
     ]
+    runners += [(n, lambda w, s, n=n: run_peer(n, w, s)) for n in peers]
     if hf:
         runners.append(("hf", lambda w, s: run_hf("hf", w, s)))
         if args.batch_size == 1:  # transformers' assisted generation takes one sequence at a time
@@ -239,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "output_tokens": side.output_tokens,
             "wall_s": side.wall_s,
         }
-        if not side.name.startswith("hf"):
+        if not side.name.startswith(("hf", "llamacpp")):
             out.update(
                 {
                     "target_forwards": side.forwards,
@@ -260,6 +296,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     base = sides.get("none")
     per_config = {n: summary(sides[n], base if not n.startswith("hf") else None) for n in sides}
+    for n in peers:  # our configurations against llama.cpp's plain decoding of the same GGUF
+        for ours in names:
+            per_config[ours][f"speedup_vs_{n}"] = per_config[ours]["tokens_per_s"] / per_config[n]["tokens_per_s"]
+            per_config[ours][f"speedup_vs_{n}_median_wave"] = statistics.median(
+                p / o for p, o in zip(sides[n].wave_s, sides[ours].wave_s, strict=True)
+            )
     if "hf-prompt-lookup" in sides:
         per_config["hf-prompt-lookup"]["speedup_vs_hf"] = (
             per_config["hf-prompt-lookup"]["tokens_per_s"] / per_config["hf"]["tokens_per_s"]

@@ -29,6 +29,7 @@ from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from engines.verification import VerifyItem, VerifyResult, verify_batch
 from kernels.dispatch import KERNEL_MODES, default_kernel_mode, set_kernel_mode
+from kernels.quantized_linear import QUANTIZATIONS
 from policies.speculation import AdaptivePolicy, AdaptiveSettings, StepRecord, make_policy
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ class EngineConfig:
     # CUDA and the PyTorch references on CPU; "triton" forces the kernels (CPU: TRITON_INTERPRET=1);
     # "torch" forces the references. One mode per process (kernels/dispatch.py); default: $LYANNA_KERNELS.
     kernels: str = field(default_factory=default_kernel_mode)
+    # Weight-only quantization of the target's projections and LM head on CPU: "none", "int8" (per
+    # channel), "int4" (groups of 32), "gguf" (a GGUF's own Q4_0/Q4_1 blocks as int4, as shipped), or
+    # "auto" = "gguf" for a GGUF model (the embedded default) in bf16/fp16 on CPU, else "none".
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -148,6 +153,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype)
+        if self.quantization not in (*QUANTIZATIONS, "auto"):
+            raise ValueError(f"quantization must be one of {[*QUANTIZATIONS, 'auto']}, not {self.quantization!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {self.kernels!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -176,7 +183,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.workers: WorkerGroup | None = None  # ranks 1..N-1 of a tensor-parallel target
         if config.tensor_parallel_size > 1:
-            self.workers = WorkerGroup(config.model, config.dtype, config.device, config.tensor_parallel_size)
+            self.workers = WorkerGroup(
+                config.model, config.dtype, config.device, config.tensor_parallel_size, config.quantization
+            )
         try:
             self._init(config)
         except BaseException:
@@ -186,7 +195,8 @@ class LLMEngine:
     def _init(self, config: EngineConfig) -> None:
         set_kernel_mode(config.kernels)
         tp = None if self.workers is None else self.workers.tp
-        loaded = load_model(config.model, config.dtype, config.device, tp=tp)
+        loaded = load_model(config.model, config.dtype, config.device, tp=tp, quantization=config.quantization)
+        self.quantization = loaded.quantization
         self.model, self.model_config, self.device = loaded.model, loaded.config, loaded.device
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)

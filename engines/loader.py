@@ -18,6 +18,7 @@ from safetensors import safe_open
 from engines.config import ModelConfig
 from engines.model import LlamaModel
 from engines.parallel import TensorParallel
+from kernels.quantized_linear import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,31 @@ class LoadedModel:
     config: ModelConfig
     checkpoint: Path
     device: torch.device
+    quantization: str = "none"  # what the projections run as: "none", "int8", "int4" or "gguf"
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file a model name stands for (the embedded default or a .gguf path), None for a folder."""
+    if model in (None, "", "default", DEFAULT_MODEL):
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def resolve_quantization(setting: str, model: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """The quantization a load uses: `setting`, or for "auto" the GGUF's own ("gguf") when the model is a
+    GGUF served in bf16/fp16 on CPU, else "none" (fp32 stays the exact reference; CUDA has no
+    weight-only kernels here yet)."""
+    if setting not in (*QUANTIZATIONS, "auto"):
+        raise ValueError(f"quantization must be one of {[*QUANTIZATIONS, 'auto']}, not {setting!r}")
+    if setting == "auto":
+        half = dtype in (torch.bfloat16, torch.float16)
+        return "gguf" if half and device.type == "cpu" and gguf_source(model) is not None else "none"
+    if setting != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {setting!r} runs on CPU only (its weight-only kernels are PyTorch's CPU ones)")
+    if setting == "gguf" and gguf_source(model) is None:
+        raise ValueError("quantization 'gguf' keeps a GGUF's own weights: the model must be a .gguf or the default")
+    return setting
 
 
 def load_model(
@@ -148,19 +174,29 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load a Llama-family target: resolve the checkpoint, build our model, copy (this rank's) weights."""
+    """Load a Llama-family target: resolve the checkpoint, build our model, copy (this rank's) weights;
+    then quantize them (`resolve_quantization`): "int8"/"int4" from the loaded weights, "gguf" from the
+    GGUF's own blocks."""
     folder = resolve_checkpoint(model)
     cfg = ModelConfig.from_json_file(folder / "config.json")
     dt, dev = parse_dtype(dtype), torch.device(device)
+    quant = resolve_quantization(quantization, model, dt, dev)
     with torch.device("meta"):
         net = LlamaModel(cfg, dtype=dt, tp=tp)
     net = net.to_empty(device=dev)
     net.rotary = net.rotary.__class__(cfg).to(dev)  # buffers are computed, not loaded
     net.load_hf_weights(CheckpointReader(folder).get)
+    if quant == "gguf":
+        from engines.gguf_weights import GGUFWeights
+
+        net.load_gguf(GGUFWeights(gguf_source(model), cfg.num_heads, cfg.num_kv_heads))
+    elif quant != "none":
+        net.quantize(quant)
     net.eval()
     net.prepack()
-    return LoadedModel(model=net, config=cfg, checkpoint=folder, device=dev)
+    return LoadedModel(model=net, config=cfg, checkpoint=folder, device=dev, quantization=quant)
 
 
 def main(argv: list[str] | None = None) -> None:

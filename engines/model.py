@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,18 @@ from engines.parallel import (
     balanced_shares,
 )
 from kernels import onednn_linear
+from kernels.quantized_linear import (
+    Int4Codes,
+    QuantizedWeight,
+    can_quantize,
+    dequantized,
+    int4_codes,
+    pack_int4,
+    quantize_int8,
+)
+
+if TYPE_CHECKING:
+    from engines.gguf_weights import GGUFWeights
 
 
 class RMSNorm(nn.Module):
@@ -187,6 +200,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_wide: torch.Tensor | None = None
+        self.lm_head_quant: QuantizedWeight | None = None  # the LM head's own quantized copy (see `quantize`)
+        self.lm_head_exact: torch.Tensor | None = None  # fp32 models: its dequantized values instead
         self.compute_dtype = dtype  # of the residual stream and the norms (see `compute_in`)
 
     def compute_in(self, dtype: torch.dtype) -> None:
@@ -198,7 +213,7 @@ class LlamaModel(nn.Module):
                 m.weight.data = m.weight.data.to(dtype)
             elif isinstance(m, PackableLinear) and dtype == torch.float32:
                 m.widen()  # many-row GEMMs (prefill chunks, large batches) run ~4x faster in fp32 there
-        if dtype == torch.float32 and self.dtype != torch.float32:
+        if dtype == torch.float32 and self.dtype != torch.float32 and self.lm_head_quant is None:
             self.lm_head_wide = self.lm_head_weight.data.float()
 
     @property
@@ -212,7 +227,11 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        """LM head in the model dtype, returned in fp32 for sampling."""
+        """LM head in the model dtype (or quantized), returned in fp32 for sampling."""
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant.matmul(hidden).float()
+        if self.lm_head_exact is not None:
+            return F.linear(hidden.float(), self.lm_head_exact)
         return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
 
     def prepack(self) -> None:
@@ -220,7 +239,57 @@ class LlamaModel(nn.Module):
         for m in self.modules():
             if isinstance(m, PackableLinear):
                 m.prepack()
-        self.lm_head_packed = onednn_linear.prepack(self.lm_head_weight.data)
+        if self.lm_head_quant is None and self.lm_head_exact is None:
+            self.lm_head_packed = onednn_linear.prepack(self.lm_head_weight.data)
+
+    def quantize(self, kind: str) -> None:
+        """Weight-only quantization ("int4" or "int8") of every projection's local shard and of the LM head
+        (a copy: the embedding it may be tied to stays as it is, for lookups and the drafters)."""
+        for m in self.modules():
+            if isinstance(m, PackableLinear):
+                m.quantize(kind)
+        head = self.lm_head_weight.data
+        self._take_head(int4_codes(head) if kind == "int4" and can_quantize("int4", head) else quantize_int8(head))
+
+    def _take_head(self, weight: QuantizedWeight | Int4Codes) -> None:
+        """The LM head's quantized copy (dequantized values in an fp32 model, as `PackableLinear.take`)."""
+        if self.dtype == torch.float32:
+            self.lm_head_exact = dequantized(weight)
+        else:
+            self.lm_head_quant = pack_int4(weight) if isinstance(weight, Int4Codes) else weight
+
+    @torch.no_grad()
+    def load_gguf(self, weights: GGUFWeights) -> None:
+        """Replace the projections with a GGUF's own quantized weights (after `load_hf_weights` from its
+        dequantized conversion): Q4_0/Q4_1 load as int4 exactly as stored; other types (Q8_0 among them)
+        are quantized again from their stored values (int8 per channel)."""
+
+        def all_int4(names: list[str]) -> bool:
+            return all(weights.kind(n) in ("Q4_0", "Q4_1") for n in names)
+
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            fused = [
+                (layer.attn.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                (layer.mlp.gate_up_proj, [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")]),
+            ]
+            for linear, names in fused:
+                if all_int4(names):
+                    linear.load_int4_segments([weights.int4(n) for n in names])
+                else:
+                    linear.quantize("int8")
+            split_inputs = [(layer.attn.o_proj, "self_attn.o_proj"), (layer.mlp.down_proj, "mlp.down_proj")]
+            for linear, short in split_inputs:
+                name = p + short + ".weight"
+                if all_int4([name]):
+                    linear.load_int4_full(weights.int4(name))
+                else:
+                    linear.quantize("int8")
+        head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        if head in weights.tensors and all_int4([head]):
+            self._take_head(weights.int4(head))
+        else:
+            self._take_head(quantize_int8(self.lm_head_weight.data))
 
     @torch.inference_mode()
     def forward(

@@ -18,6 +18,15 @@ import torch
 from torch import nn
 
 from kernels import onednn_linear
+from kernels.quantized_linear import (
+    Int4Codes,
+    QuantizedWeight,
+    can_quantize,
+    dequantized,
+    int4_codes,
+    pack_int4,
+    quantize_int8,
+)
 
 
 @dataclass(frozen=True)
@@ -86,22 +95,49 @@ def shard_range(
 
 
 class PackableLinear(nn.Module):
-    """Base of the parallel linears: owns `weight` and, after `prepack()`, a faster CPU layout of it."""
+    """Base of the parallel linears: owns `weight` and, after `prepack()`, a faster CPU layout of it, or
+    after `quantize()` / `set_quantized()` a weight-only quantized form in place of it."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     wide: torch.Tensor | None = None  # fp32 copy for many-row GEMMs on CPUs that emulate bf16
+    quant: QuantizedWeight | None = None
+    quant_kind: str | None = None  # "int4" / "int8" once quantized (also in fp32, which keeps dequantized values)
 
     def prepack(self) -> None:
         """Lay the weight out for the CPU's fastest kernel (call after loading; no-op elsewhere)."""
-        self.packed = onednn_linear.prepack(self.weight.data)
+        if self.quant is None:
+            self.packed = onednn_linear.prepack(self.weight.data)
 
     def widen(self) -> None:
         """Keep an fp32 copy of the weight for GEMMs of many rows (see `onednn_linear.WIDE_MIN_ROWS`)."""
-        self.wide = self.weight.data.float() if self.weight.dtype != torch.float32 else None
+        if self.quant is None:
+            self.wide = self.weight.data.float() if self.weight.dtype != torch.float32 else None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Compute with `weight` from now on; the dense weight is released."""
+        self.quant, self.packed, self.wide = weight, None, None
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def take(self, weight: QuantizedWeight | Int4Codes) -> None:
+        """Compute with quantized `weight` (int4 codes are packed here; ValueError where packing does not
+        apply). An fp32 layer keeps the dequantized values instead: the quantized model's math, exactly."""
+        self.quant_kind = "int4" if isinstance(weight, Int4Codes) else weight.kind
+        if self.weight.dtype == torch.float32:
+            self.weight.data = dequantized(weight)
+            return
+        self.set_quantized(pack_int4(weight) if isinstance(weight, Int4Codes) else weight)
+
+    def quantize(self, kind: str) -> None:
+        """Quantize the local shard: `kind` ("int4" or "int8"), or int8 where int4 does not fit the shape."""
+        w = self.weight.data
+        self.take(int4_codes(w) if kind == "int4" and can_quantize("int4", w) else quantize_int8(w))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path)."""
+        """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path;
+        bf16 out when quantized)."""
+        if self.quant is not None:
+            return self.quant.matmul(x)
         return onednn_linear.linear(x, self.weight, self.packed, self.wide)
 
 
@@ -138,6 +174,14 @@ class ColumnParallelLinear(PackableLinear):
             shards.append(w[start:end])
         self.weight.copy_(torch.cat(shards, dim=0))
 
+    def load_int4_segments(self, full_codes: list[Int4Codes]) -> None:
+        """Take this rank's rows of each full segment's int4 codes as the weight, as stored (no rounding)."""
+        parts = Int4Codes.cat([c.rows(start, end) for c, (start, end) in zip(full_codes, self.ranges, strict=True)])
+        try:
+            self.take(parts)
+        except ValueError:  # a shard the int4 packing does not take: int8 of the stored values
+            self.take(quantize_int8(parts.dequantize()))
+
 
 class RowParallelLinear(PackableLinear):
     """y = x @ W.T where W's columns (`units` equal parts) are split across ranks and the partial
@@ -166,3 +210,13 @@ class RowParallelLinear(PackableLinear):
         """Copy this rank's columns of the full weight."""
         start, end = self.in_range
         self.weight.copy_(w[:, start:end])
+
+    def load_int4_full(self, codes: Int4Codes) -> None:
+        """Take this rank's columns of the full int4 codes as the weight, as stored, when the shard falls on
+        whole groups; otherwise the shard is dequantized and quantized again (int4, or int8)."""
+        start, end = self.in_range
+        try:
+            self.take(codes.columns(start, end))
+        except ValueError:
+            self.weight.data = codes.dequantize()[:, start:end].to(self.weight.dtype)
+            self.quantize("int4")

@@ -146,12 +146,13 @@ class TensorParallelWorker:
         port: int,
         shm_prefix: str | None,
         threads: int,
+        quantization: str = "none",
     ):
         torch.set_num_threads(threads)
         self.rank = rank
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device(device)
         self.tp, self.channel = connect(rank, world, host, port, self.device, shm_prefix)
-        self.model = load_model(model, dtype, self.device, tp=self.tp).model
+        self.model = load_model(model, dtype, self.device, tp=self.tp, quantization=quantization).model
         self.runner: ModelRunner | None = None
         self.running = False
         self.steps = 0
@@ -197,7 +198,7 @@ class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1: starts them (in the caller's placement group when it has one),
     sends them commands, checks and stops them."""
 
-    def __init__(self, model: str | None, dtype: str, device: str, world: int):
+    def __init__(self, model: str | None, dtype: str, device: str, world: int, quantization: str = "none"):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -226,7 +227,7 @@ class WorkerGroup:
             threads = max(1, int(resources["num_cpus"]))
             # Named (lyanna-tp::<group>::rank<r>) so operators can find a replica's ranks in `ray list actors`.
             options["name"], options["namespace"] = f"lyanna-tp::{self.group_id}::rank{rank}", "lyanna"
-            args = (model, dtype, device, rank, world, host, store.port, shm_prefix, threads)
+            args = (model, dtype, device, rank, world, host, store.port, shm_prefix, threads, quantization)
             self.workers.append(actor.options(**resources, **options).remote(*args))
         try:
             self.tp, self.channel = connect(0, world, host, store.port, torch.device(device), shm_prefix, store)

@@ -1,0 +1,116 @@
+"""How much each weight setting changes the model: held-out ShareGPT answers scored token by token.
+
+    python -m engines.quality --num 32 --settings none,int8,int4,gguf
+
+For each validation-split conversation (the first user turn and the assistant's answer, rendered with
+the chat template, capped at `--max-tokens`), every setting computes the log-likelihood of each answer
+token given what precedes it, in one forward over the sequence. The reference is the fp32 model on the
+dequantized checkpoint. Per setting: the mean log-likelihood per answer token, its relative change
+against the reference, and how often the setting's argmax equals the reference's (greedy agreement,
+teacher-forced). One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+
+from engines.attention import SequenceLayout, build_attention_metadata
+from engines.datasets import iter_sharegpt, sharegpt_messages
+from engines.kv_cache import PagedKVCache
+from engines.loader import load_model
+from engines.model import LlamaModel
+from engines.tokenizer import Tokenizer
+
+
+def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> list[tuple[list[int], int]]:
+    """(token ids, index of the answer's first token) for `num` validation conversations with an answer."""
+    from engines.training.data import split_of
+
+    out = []
+    for rec in iter_sharegpt():
+        if split_of(rec["id"]) != "val":
+            continue
+        msgs = sharegpt_messages(rec)
+        if len(msgs) < 2 or msgs[0]["role"] != "user" or msgs[1]["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(msgs[:1])
+        full = tokenizer.encode(tokenizer.hf.apply_chat_template(msgs[:2], tokenize=False))
+        if full[: len(prompt)] != prompt or len(prompt) >= max_tokens - 8:
+            continue
+        out.append((full[:max_tokens], len(prompt)))
+        if len(out) == num:
+            break
+    return out
+
+
+@torch.inference_mode()
+def answer_logprobs(model: LlamaModel, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-likelihoods of tokens[start:] given their prefixes ([n] fp32), and the argmax before each."""
+    cfg, n, block = model.cfg, len(tokens), 16
+    kv_dtype = torch.float32 if model.compute_dtype == torch.float32 else model.dtype
+    kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, kv_dtype, "cpu")
+    kv.allocate("x", n)
+    meta = build_attention_metadata([SequenceLayout(kv.block_tables["x"], 0, n)], block, "cpu")
+    rows = torch.arange(start - 1, n - 1)
+    logits, _ = model(torch.tensor(tokens), torch.arange(n), meta, kv, rows)
+    logprobs = logits.float().log_softmax(-1)
+    target = torch.tensor(tokens[start:])
+    return logprobs.gather(1, target[:, None])[:, 0], logprobs.argmax(-1)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Score every setting against the fp32 reference; print one JSON line."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--num", type=int, default=32, help="validation conversations")
+    ap.add_argument("--max-tokens", type=int, default=512, help="tokens per conversation at most")
+    ap.add_argument("--settings", default="none,int8,int4,gguf", help="quantization settings to score (bf16)")
+    ap.add_argument("--dtype", default="bfloat16", help="dtype of the scored settings")
+    args = ap.parse_args(argv)
+    reference = load_model(args.model, "float32", "cpu", quantization="none")
+    tokenizer = Tokenizer(reference.checkpoint)
+    convs = scored_conversations(tokenizer, args.num, args.max_tokens)
+    ref = [answer_logprobs(reference.model, t, s) for t, s in convs]
+    ref_ll = torch.cat([lp for lp, _ in ref])
+    del reference
+    result: dict[str, Any] = {
+        "conversations": len(convs),
+        "answer_tokens": int(ref_ll.numel()),
+        "reference": {"setting": "fp32, dequantized", "mean_loglik": float(ref_ll.mean())},
+        "settings": {},
+    }
+    for setting in args.settings.split(","):
+        loaded = load_model(args.model, args.dtype, "cpu", quantization=setting)
+        if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
+            loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
+        got = [answer_logprobs(loaded.model, t, s) for t, s in convs]
+        ll = torch.cat([lp for lp, _ in got])
+        agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
+        result["settings"][setting] = {
+            "mean_loglik": float(ll.mean()),
+            "relative_change": float((ll.mean() - ref_ll.mean()) / ref_ll.mean().abs()),
+            "mean_abs_token_diff": float((ll - ref_ll).abs().mean()),
+            "greedy_agreement": float(agree),
+            "weight_bytes": sum(_weight_bytes(loaded.model)),
+        }
+    print(json.dumps(result))
+    return result
+
+
+def _weight_bytes(model: LlamaModel):
+    """Bytes of every projection and the LM head as they are computed with."""
+    from engines.parallel import PackableLinear
+
+    for m in model.modules():
+        if isinstance(m, PackableLinear):
+            yield m.quant.nbytes if m.quant is not None else m.weight.numel() * m.weight.element_size()
+    head = model.lm_head_quant
+    yield head.nbytes if head is not None else model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+
+
+if __name__ == "__main__":
+    main()

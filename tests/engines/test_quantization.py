@@ -1,0 +1,194 @@
+"""Weight-only quantization: the GGUF's own blocks load exactly, quantized linears compute what their
+dequantized weights do, every setting serves, and speculation stays lossless against the quantized
+target (the model being served)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.gguf_weights import GGUFWeights, hf_name, hf_rows
+from engines.loader import CheckpointReader, embedded_gguf_path, load_model, resolve_checkpoint, resolve_quantization
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from kernels.quantized_linear import GROUP_SIZE, Int4Codes, int4_codes, pack_int4, quantize, quantize_int8
+from tests.conftest import CHAT_PROMPTS
+
+
+def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's reordering of query/key rows (written from its description: within each
+    head the two rotary halves are interleaved)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def test_hf_rows_undo_llama_cpps_rope_reordering():
+    w = torch.arange(3 * 64).float()[:, None].expand(-1, 4)
+    permuted = llama_cpp_permute(w, 3)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(permuted[hf_rows(3 * 64, 3)], w)
+
+
+def test_gguf_names():
+    assert hf_name("blk.7.attn_k.weight") == "model.layers.7.self_attn.k_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.0.attn_norm.weight") is None
+
+
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_embedded_gguf_int4_codes_are_its_dequantized_weights_exactly(layer):
+    """The shipped Q4_1 blocks as int4 codes (scale d, zero m + 8 d) give back, bit for bit, the weights
+    transformers dequantizes from the same file (rows of q and k included)."""
+    weights = GGUFWeights(embedded_gguf_path(), num_heads=9, num_kv_heads=3)
+    dense = CheckpointReader(resolve_checkpoint())
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"):
+        name = f"model.layers.{layer}.{proj}.weight"
+        assert weights.kind(name) == "Q4_1"
+        codes = weights.int4(name)
+        assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
+        assert torch.equal(codes.dequantize(), dense.get(name).float()), name
+    assert weights.kind("model.embed_tokens.weight") == "Q8_0"
+
+
+def test_q4_0_and_q8_0_blocks(tmp_path):
+    """A GGUF written with Q4_0, Q4_1 and Q8_0 tensors reads back as gguf's own dequantization."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize as gguf_quantize
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    tensors = {
+        "blk.0.attn_q.weight": GGMLQuantizationType.Q4_0,
+        "blk.0.attn_k.weight": GGMLQuantizationType.Q4_1,
+        "blk.0.ffn_down.weight": GGMLQuantizationType.Q8_0,
+    }
+    dense = {}
+    for name, kind in tensors.items():
+        rows = 128 if "attn_q" in name else 64
+        values = rng.standard_normal((rows, 96)).astype(np.float32)
+        dense[name] = values
+        packed = gguf_quantize(values, kind)
+        writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = GGUFWeights(path, num_heads=2, num_kv_heads=1)
+    for gname, kind in tensors.items():
+        name = hf_name(gname)
+        ref = weights.dequantized(name)
+        if kind == GGMLQuantizationType.Q8_0:
+            with pytest.raises(ValueError, match="not Q4_0/Q4_1"):
+                weights.int4(name)
+            continue
+        assert torch.equal(weights.int4(name).dequantize(), ref)
+        # and the stored values are the written ones up to 4-bit rounding, in HF row order
+        heads = 2 if "q_proj" in name else 1
+        hf_dense = torch.from_numpy(dense[gname])[hf_rows(dense[gname].shape[0], heads)]
+        assert (ref - hf_dense).abs().mean() < 0.15
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_linear_equals_its_dequantized_weight(kind):
+    torch.manual_seed(0)
+    w = torch.randn(192, 160)
+    q = quantize(kind, w)
+    if kind == "int4":
+        dense = int4_codes(w).dequantize()
+    else:
+        q8 = quantize_int8(w)
+        dense = q8.data.float() * q8.scales.float()[:, None]
+    x = torch.randn(5, 160)
+    got = q.matmul(x).float()
+    want = x.bfloat16().float() @ dense.t()
+    assert got.dtype == torch.float32 and got.shape == (5, 192)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0.15)
+    assert (dense - w).abs().max() < (0.03 if kind == "int8" else 0.35)  # the rounding of each kind
+    assert q.nbytes < w.numel() * (1.1 if kind == "int8" else 0.65)  # bf16 would be 2 bytes a weight
+
+
+def test_int4_codes_slice_on_groups_only():
+    codes = int4_codes(torch.randn(32, 4 * GROUP_SIZE))
+    assert codes.columns(GROUP_SIZE, 3 * GROUP_SIZE).codes.shape == (32, 2 * GROUP_SIZE)
+    with pytest.raises(ValueError, match="groups"):
+        codes.columns(5, 3 * GROUP_SIZE)
+    both = Int4Codes.cat([codes.rows(0, 3), codes.rows(3, 32)])
+    assert torch.equal(pack_int4(both).data, pack_int4(codes).data)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_int4(codes.rows(0, 24))
+
+
+def test_quantization_setting_resolution():
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", None, torch.bfloat16, cpu) == "gguf"  # the embedded model as shipped
+    assert resolve_quantization("auto", None, torch.float32, cpu) == "none"  # fp32 stays the exact reference
+    assert resolve_quantization("auto", str(resolve_checkpoint()), torch.bfloat16, cpu) == "none"  # a folder
+    with pytest.raises(ValueError, match=r"must be a \.gguf"):
+        resolve_quantization("gguf", str(resolve_checkpoint()), torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_quantization("int4", None, torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("setting", ["int8", "int4", "gguf"])
+def test_quantized_model_keeps_the_dequantized_models_predictions(setting):
+    """Each setting's next-token log-probabilities on a real prompt stay close to the bf16 model's."""
+    dense = load_model(None, "bfloat16", "cpu", quantization="none").model
+    quant = load_model(None, "bfloat16", "cpu", quantization=setting)
+    assert quant.quantization == setting
+    layer = quant.model.layers[3]
+    kinds = {
+        m.quant.kind for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    }
+    assert kinds == {"int8" if setting == "int8" else "int4"}
+    assert quant.model.lm_head_quant is not None
+    assert quant.model.embed_tokens.weight.dtype == torch.bfloat16  # lookups and drafters keep the dense table
+    from engines.training.data import target_hidden_states
+
+    tokens = list(range(100, 160))
+    h_dense = target_hidden_states(dense, tokens)
+    h_quant = target_hidden_states(quant.model, tokens)
+    lp_dense = dense.compute_logits(h_dense).log_softmax(-1)
+    lp_quant = quant.model.compute_logits(h_quant).log_softmax(-1)
+    top = lp_dense.argmax(-1)
+    drift = (lp_quant.gather(1, top[:, None]) - lp_dense.gather(1, top[:, None])).abs().mean()
+    assert drift < 0.5
+    assert (lp_quant.argmax(-1) == top).float().mean() > 0.7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["int8", "int4"])
+def test_speculation_is_lossless_against_the_quantized_target(setting):
+    """In fp32 the quantized target computes with its dequantized values exactly; greedy and seeded
+    outputs with Lyanna then equal plain decoding of that same target, in one batch."""
+    engine = LLMEngine(
+        EngineConfig(
+            dtype="float32", quantization=setting, num_kv_blocks=256, spec=SpecParams(depth=3, width=2, budget=6)
+        )
+    )
+    assert engine.quantization == setting and engine.model.layers[0].mlp.down_proj.quant_kind == setting
+    off = SpecParams(enabled=False)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    for params in (greedy, seeded):
+        reqs = [engine.add_request(p, params, spec=spec) for p in CHAT_PROMPTS[:2] for spec in (None, off)]
+        while engine.has_unfinished():
+            engine.step()
+        assert reqs[0].output_token_ids == reqs[1].output_token_ids
+        assert reqs[2].output_token_ids == reqs[3].output_token_ids
+    assert engine.stats().spec.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_the_default_serves_the_embedded_model_as_shipped():
+    """bf16 on CPU: the GGUF's int4 blocks, the shipped Lyanna drafter accepting drafts."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=128))
+    assert engine.quantization == "gguf" and engine.model.layers[0].attn.qkv_proj.quant is not None
+    out = engine.generate([CHAT_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in out.text
+    assert engine.stats().spec.num_accepted_tokens > 0 and engine.stats().kv_free_blocks == 128
