@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
     )
+    ap.add_argument(
+        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"], help="target weights"
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=args.device,
                 tensor_parallel_size=args.tensor_parallel_size,
                 kernels=args.kernels,
+                quantization=args.quantization,
                 drafter=args.drafter,
                 draft_model=args.draft_model,
                 spec=spec,

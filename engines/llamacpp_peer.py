@@ -25,6 +25,7 @@ def bf16_gguf(source: Path) -> Path:
     out = cache_root() / f"{source.stem}-{source.stat().st_size}.bf16.gguf"
     if out.exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     reader = GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     tmp = out.with_suffix(".tmp")

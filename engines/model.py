@@ -17,7 +17,7 @@ from torch import nn
 
 from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, cpu_has_half_precision_math
 from engines.parallel import (
     ColumnParallelLinear,
     PackableLinear,
@@ -27,6 +27,8 @@ from engines.parallel import (
 )
 from kernels import onednn_linear
 from kernels.quantized_linear import (
+    ACTIVATION_DTYPE,
+    GROUP_SIZE,
     Int4Codes,
     QuantizedWeight,
     can_quantize,
@@ -35,6 +37,7 @@ from kernels.quantized_linear import (
     pack_int4,
     quantize_int8,
 )
+from kernels.quantized_linear import WIDE_MIN_ROWS as QUANT_WIDE_MIN_ROWS
 
 if TYPE_CHECKING:
     from engines.gguf_weights import GGUFWeights
@@ -140,7 +143,8 @@ class Attention(nn.Module):
 def mlp_shares(cfg: ModelConfig, tp: TensorParallel) -> list[int] | None:
     """MLP channels per rank: an even split, unless the KV heads split unevenly; then the ranks with
     fewer heads take more channels, so every rank holds about the same weights (and no rank waits for
-    another at each all-reduce). None: even."""
+    another at each all-reduce). Channels move in groups of 32 where they divide (quantized shards then
+    hold whole int4 groups). None: even."""
     if tp.world_size == 1:
         return None
     heads = tp.counts(cfg.num_kv_heads)
@@ -148,7 +152,10 @@ def mlp_shares(cfg: ModelConfig, tp: TensorParallel) -> list[int] | None:
         return None
     group = cfg.num_heads // cfg.num_kv_heads
     per_kv_head = (2 * group + 2) * cfg.head_dim * cfg.hidden_size  # its q and o rows/columns, its k and v
-    return balanced_shares(cfg.intermediate_size, 3 * cfg.hidden_size, [h * per_kv_head for h in heads])
+    granule = GROUP_SIZE if cfg.intermediate_size % GROUP_SIZE == 0 else 1
+    units = cfg.intermediate_size // granule
+    shares = balanced_shares(units, 3 * cfg.hidden_size * granule, [h * per_kv_head for h in heads])
+    return [n * granule for n in shares]
 
 
 class MLP(nn.Module):
@@ -229,6 +236,8 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         """LM head in the model dtype (or quantized), returned in fp32 for sampling."""
         if self.lm_head_quant is not None:
+            if self.lm_head_wide is not None and hidden.shape[0] >= QUANT_WIDE_MIN_ROWS:
+                return F.linear(hidden.float(), self.lm_head_wide)
             return self.lm_head_quant.matmul(hidden).float()
         if self.lm_head_exact is not None:
             return F.linear(hidden.float(), self.lm_head_exact)
@@ -255,8 +264,10 @@ class LlamaModel(nn.Module):
         """The LM head's quantized copy (dequantized values in an fp32 model, as `PackableLinear.take`)."""
         if self.dtype == torch.float32:
             self.lm_head_exact = dequantized(weight)
-        else:
-            self.lm_head_quant = pack_int4(weight) if isinstance(weight, Int4Codes) else weight
+            return
+        self.lm_head_quant = pack_int4(weight) if isinstance(weight, Int4Codes) else weight
+        self.lm_head_packed = None
+        self.lm_head_wide = None if cpu_has_half_precision_math(ACTIVATION_DTYPE) else dequantized(weight)
 
     @torch.no_grad()
     def load_gguf(self, weights: GGUFWeights) -> None:

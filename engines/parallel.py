@@ -17,8 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.kv_cache import cpu_has_half_precision_math
 from kernels import onednn_linear
 from kernels.quantized_linear import (
+    ACTIVATION_DTYPE,
     Int4Codes,
     QuantizedWeight,
     can_quantize,
@@ -27,6 +29,7 @@ from kernels.quantized_linear import (
     pack_int4,
     quantize_int8,
 )
+from kernels.quantized_linear import WIDE_MIN_ROWS as QUANT_WIDE_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ class PackableLinear(nn.Module):
             self.wide = self.weight.data.float() if self.weight.dtype != torch.float32 else None
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
-        """Compute with `weight` from now on; the dense weight is released."""
+        """Compute with `weight` from now on; the dense weight is released (`take` may add an fp32 copy
+        of the quantized values for many-row GEMMs on CPUs without bf16 arithmetic)."""
         self.quant, self.packed, self.wide = weight, None, None
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -127,6 +131,8 @@ class PackableLinear(nn.Module):
             self.weight.data = dequantized(weight)
             return
         self.set_quantized(pack_int4(weight) if isinstance(weight, Int4Codes) else weight)
+        if not cpu_has_half_precision_math(ACTIVATION_DTYPE):
+            self.wide = dequantized(weight)  # for GEMMs of `quantized_linear.WIDE_MIN_ROWS` rows or more
 
     def quantize(self, kind: str) -> None:
         """Quantize the local shard: `kind` ("int4" or "int8"), or int8 where int4 does not fit the shape."""
@@ -137,6 +143,8 @@ class PackableLinear(nn.Module):
         """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path;
         bf16 out when quantized)."""
         if self.quant is not None:
+            if self.wide is not None and x.shape[0] >= QUANT_WIDE_MIN_ROWS:
+                return torch.nn.functional.linear(x.float(), self.wide)
             return self.quant.matmul(x)
         return onednn_linear.linear(x, self.weight, self.packed, self.wide)
 

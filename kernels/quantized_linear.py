@@ -17,6 +17,10 @@ GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 16  # PyTorch's CPU int4 packing takes output sizes divisible by 16
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 ACTIVATION_DTYPE = torch.bfloat16  # what the packed kernels take (and return)
+# On a CPU without bf16 arithmetic (AVX2) fp32 GEMMs over the dequantized values beat the packed kernels
+# from about this many rows (the embedded model's projections, 2 cores: int4 98.6 ms vs fp32 136 ms at 16
+# rows, 184 vs 174 at 32); such CPUs keep an fp32 copy of the values for those GEMMs.
+WIDE_MIN_ROWS = 24
 
 
 @dataclass

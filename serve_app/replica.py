@@ -65,6 +65,8 @@ class EngineSettings(BaseModel):
     spec_policy: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the spec_* values are caps
     # Hot paths: Triton kernels on CUDA and PyTorch on CPU ("auto"), or forced ("triton", "torch")
     kernels: Literal["auto", "triton", "torch"] = "auto"
+    # Target weights: auto = the GGUF's own int4 blocks for the embedded model in bf16 on CPU, else none
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
 
     def placement_bundles(self) -> list[dict[str, float]]:
         """One resource bundle per tensor-parallel rank: the replica runs in the first, its ranks 1..N-1

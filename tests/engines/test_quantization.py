@@ -192,3 +192,35 @@ def test_the_default_serves_the_embedded_model_as_shipped():
     out = engine.generate([CHAT_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16))[0]
     assert "Paris" in out.text
     assert engine.stats().spec.num_accepted_tokens > 0 and engine.stats().kv_free_blocks == 128
+
+
+def test_bf16_conversion_for_the_llama_cpp_peer(tmp_path, monkeypatch):
+    """The peer's bf16 GGUF keeps metadata and holds every quantized tensor's values rounded to bf16."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    from engines.llamacpp_peer import bf16_gguf
+
+    monkeypatch.setenv("LYANNA_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(source), "llama")
+    writer.add_block_count(1)
+    values = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    packed = gguf_quantize(values, GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_v.weight", packed, raw_shape=packed.shape, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(96, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = bf16_gguf(source)
+    assert bf16_gguf(source) == out  # written once
+    reader = GGUFReader(str(out))
+    assert reader.fields["llama.block_count"].contents() == 1
+    tensors = {t.name: t for t in reader.tensors}
+    v = tensors["blk.0.attn_v.weight"]
+    assert v.tensor_type == GGMLQuantizationType.BF16 and tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    want = torch.from_numpy(dequantize(packed, GGMLQuantizationType.Q4_1)).reshape(64, 96).bfloat16().float()
+    got = torch.from_numpy(np.asarray(dequantize(v.data, v.tensor_type))).reshape(64, 96)
+    assert torch.equal(got, want)

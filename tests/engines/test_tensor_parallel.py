@@ -30,9 +30,16 @@ def worker_names() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("lyanna-tp::")]
 
 
-def engine(tp: int, drafter: str) -> LLMEngine:
+def engine(tp: int, drafter: str, quantization: str = "auto") -> LLMEngine:
     return LLMEngine(
-        EngineConfig(dtype="float32", num_kv_blocks=128, drafter=drafter, tensor_parallel_size=tp, max_num_seqs=8)
+        EngineConfig(
+            dtype="float32",
+            num_kv_blocks=128,
+            drafter=drafter,
+            tensor_parallel_size=tp,
+            max_num_seqs=8,
+            quantization=quantization,
+        )
     )
 
 
@@ -52,6 +59,20 @@ def run_mixed_batch(e: LLMEngine) -> dict[str, list[int]]:
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         steps += 1
     return got
+
+
+@pytest.mark.slow
+def test_each_rank_quantizes_its_shard_as_one_rank_would(local_ray):
+    """int4 per shard (fp32: the quantized values exactly): the shards hold whole groups of the full
+    weight, so two ranks compute the single rank's quantized model and give its greedy outputs."""
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = engine(1, "none", "int4").generate(CHAT_PROMPTS[:2], params)
+    e = engine(2, "none", "int4")
+    try:
+        assert e.model.layers[0].mlp.down_proj.quant_kind == "int4"
+        assert [g.token_ids for g in e.generate(CHAT_PROMPTS[:2], params)] == [w.token_ids for w in want]
+    finally:
+        e.shutdown()
 
 
 def test_split_is_balanced_and_covers_every_unit():
@@ -184,4 +205,5 @@ def test_mlp_channels_even_out_an_uneven_head_split(checkpoint):
     group = cfg.num_heads // cfg.num_kv_heads
     per_head = (2 * group + 2) * cfg.head_dim * cfg.hidden_size
     weights = [h * per_head + c * 3 * cfg.hidden_size for h, c in zip([1, 2], shares, strict=True)]
-    assert abs(weights[0] - weights[1]) <= 3 * cfg.hidden_size  # within one channel
+    assert abs(weights[0] - weights[1]) <= 3 * cfg.hidden_size * 32  # within one group of 32 channels
+    assert all(n % 32 == 0 for n in shares)  # quantized shards hold whole int4 groups
