@@ -226,10 +226,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 side.outputs[i] = list(r.output_token_ids)
         engine.spec_stats = before_spec
 
-    def run_hf(name: str, wave: list[int], side: Side | None) -> None:
-        lookup = args.hf_prompt_lookup if name == "hf-prompt-lookup" else None
+    def run_other(generate, wave: list[int], side: Side | None) -> None:
+        """Time another system's `generate(prompts)` on a wave and record its outputs."""
         t0 = time.perf_counter()
-        outs = hf.run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, lookup)
+        outs = generate([prompts[i] for i in wave])
         dt = time.perf_counter() - t0
         if side is not None:
             side.wall_s += dt
@@ -237,15 +237,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, o in zip(wave, outs, strict=True):
                 side.outputs[i] = o
 
+    def run_hf(name: str, wave: list[int], side: Side | None) -> None:
+        lookup = args.hf_prompt_lookup if name == "hf-prompt-lookup" else None
+        run_other(lambda ps: hf.run(ps, args.max_new_tokens, args.temperature, lookup), wave, side)
+
     def run_peer(name: str, wave: list[int], side: Side | None) -> None:
-        t0 = time.perf_counter()
-        outs = peers[name].run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, args.seed)
-        dt = time.perf_counter() - t0
-        if side is not None:
-            side.wall_s += dt
-            side.wave_s.append(dt)
-            for i, o in zip(wave, outs, strict=True):
-                side.outputs[i] = o
+        run_other(lambda ps: peers[name].run(ps, args.max_new_tokens, args.temperature, args.seed), wave, side)
 
     runners = [
         (n, lambda w, s, d=d, sp=sp, n=n: run_ours(n, d, sp, w, s)) for n, (d, sp) in zip(names, configs, strict=True)

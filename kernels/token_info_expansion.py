@@ -20,6 +20,17 @@ TILE = 4096  # frontier nodes x vocabulary entries one pass step holds
 
 
 @triton.jit
+def _node_logits(logits_row_ptr, table_ptr, row, table_stride, idx, ok, BLOCK_F: tl.constexpr, HAS_INFO: tl.constexpr):
+    """[BLOCK_F, len(idx)] fp32: the depth's logits at vocabulary entries `idx` plus each node's token-info row."""
+    z = tl.load(logits_row_ptr + idx, mask=ok, other=float("-inf"))[None, :] + tl.zeros(
+        [BLOCK_F, idx.shape[0]], tl.float32
+    )
+    if HAS_INFO:
+        z += tl.load(table_ptr + row[:, None] * table_stride + idx[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
 def _expand_depth_kernel(
     logits_ptr,  # [n, vocab] fp32: the depth's raw drafter logits per request
     logits_stride,
@@ -60,13 +71,7 @@ def _expand_depth_kernel(
     for start in range(0, vocab, BLOCK_V):
         idx = start + v
         ok = idx < vocab
-        z = tl.load(logits_ptr + r * logits_stride + idx, mask=ok, other=float("-inf"))[None, :] + tl.zeros(
-            [BLOCK_F, BLOCK_V], tl.float32
-        )
-        if HAS_INFO:
-            z += tl.load(table_ptr + row[:, None] * table_stride + idx[None, :], mask=ok[None, :], other=0.0).to(
-                tl.float32
-            )
+        z = _node_logits(logits_ptr + r * logits_stride, table_ptr, row, table_stride, idx, ok, BLOCK_F, HAS_INFO)
         m_new = tl.maximum(m, tl.max(z, 1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), 1)
         m = m_new
@@ -80,13 +85,7 @@ def _expand_depth_kernel(
         for start in range(0, vocab, BLOCK_V):
             idx = start + v
             ok = idx < vocab
-            z = tl.load(logits_ptr + r * logits_stride + idx, mask=ok, other=float("-inf"))[None, :] + tl.zeros(
-                [BLOCK_F, BLOCK_V], tl.float32
-            )
-            if HAS_INFO:
-                z += tl.load(table_ptr + row[:, None] * table_stride + idx[None, :], mask=ok[None, :], other=0.0).to(
-                    tl.float32
-                )
+            z = _node_logits(logits_ptr + r * logits_stride, table_ptr, row, table_stride, idx, ok, BLOCK_F, HAS_INFO)
             later = (z < prev_z[:, None]) | ((z == prev_z[:, None]) & (idx[None, :] > prev_i[:, None]))
             eligible = ok[None, :] & later
             z = tl.where(eligible, z, float("-inf"))
