@@ -37,7 +37,6 @@ from kernels.quantized_linear import (
     pack_int4,
     quantize_int8,
 )
-from kernels.quantized_linear import WIDE_MIN_ROWS as QUANT_WIDE_MIN_ROWS
 
 if TYPE_CHECKING:
     from engines.gguf_weights import GGUFWeights
@@ -236,9 +235,9 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         """LM head in the model dtype (or quantized), returned in fp32 for sampling."""
         if self.lm_head_quant is not None:
-            if self.lm_head_wide is not None and hidden.shape[0] >= QUANT_WIDE_MIN_ROWS:
+            if self.lm_head_wide is not None and hidden.shape[0] >= self.lm_head_quant.wide_min_rows:
                 return F.linear(hidden.float(), self.lm_head_wide)
-            return self.lm_head_quant.matmul(hidden).float()
+            return self.lm_head_quant.matmul(hidden, torch.float32)
         if self.lm_head_exact is not None:
             return F.linear(hidden.float(), self.lm_head_exact)
         return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
@@ -273,7 +272,7 @@ class LlamaModel(nn.Module):
     def load_gguf(self, weights: GGUFWeights) -> None:
         """Replace the projections with a GGUF's own quantized weights (after `load_hf_weights` from its
         dequantized conversion): Q4_0/Q4_1 load as int4 exactly as stored; other types (Q8_0 among them)
-        are quantized again from their stored values (int8 per channel)."""
+        are quantized again from their stored values (int8)."""
 
         def all_int4(names: list[str]) -> bool:
             return all(weights.kind(n) in ("Q4_0", "Q4_1") for n in names)
@@ -299,8 +298,9 @@ class LlamaModel(nn.Module):
         head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         if head in weights.tensors and all_int4([head]):
             self._take_head(weights.int4(head))
-        else:
-            self._take_head(quantize_int8(self.lm_head_weight.data))
+        else:  # from the stored values (a Q8_0 head's groups of 32 come back as stored in the integer-dot layout)
+            stored = weights.dequantized(head) if head in weights.tensors else self.lm_head_weight.data
+            self._take_head(quantize_int8(stored))
 
     @torch.inference_mode()
     def forward(

@@ -29,7 +29,6 @@ from kernels.quantized_linear import (
     pack_int4,
     quantize_int8,
 )
-from kernels.quantized_linear import WIDE_MIN_ROWS as QUANT_WIDE_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class PackableLinear(nn.Module):
             return
         self.set_quantized(pack_int4(weight) if isinstance(weight, Int4Codes) else weight)
         if not cpu_has_half_precision_math(ACTIVATION_DTYPE):
-            self.wide = dequantized(weight)  # for GEMMs of `quantized_linear.WIDE_MIN_ROWS` rows or more
+            self.wide = dequantized(weight)  # for GEMMs of `quant.wide_min_rows` rows or more
 
     def quantize(self, kind: str) -> None:
         """Quantize the local shard: `kind` ("int4" or "int8"), or int8 where int4 does not fit the shape."""
@@ -143,7 +142,7 @@ class PackableLinear(nn.Module):
         """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path;
         bf16 out when quantized)."""
         if self.quant is not None:
-            if self.wide is not None and x.shape[0] >= QUANT_WIDE_MIN_ROWS:
+            if self.wide is not None and x.shape[0] >= self.quant.wide_min_rows:
                 return torch.nn.functional.linear(x.float(), self.wide)
             return self.quant.matmul(x)
         return onednn_linear.linear(x, self.weight, self.packed, self.wide)

@@ -1,10 +1,11 @@
 """How much each weight setting changes the model: held-out ShareGPT answers scored token by token.
 
-    python -m engines.quality --num 32 --settings none,int8,int4,gguf
+    python -m engines.quality --num 32 --settings none,int8,int4,gguf [--kernels torch]
 
 For each validation-split conversation (the first user turn and the assistant's answer, rendered with
 the chat template, capped at `--max-tokens`), every setting computes the log-likelihood of each answer
-token given what precedes it, in one forward over the sequence. The reference is the fp32 model on the
+token given what precedes it, in one forward over the sequence whose every row runs through the quantized
+kernels, as decoding's steps do (`decode_numerics`). The reference is the fp32 model on the
 dequantized checkpoint. Per setting: the mean log-likelihood per answer token, its relative change
 against the reference, and how often the setting's argmax equals the reference's (greedy agreement,
 teacher-forced). One JSON line.
@@ -24,6 +25,7 @@ from engines.kv_cache import PagedKVCache
 from engines.loader import load_model
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
+from kernels.dispatch import KERNEL_MODES, set_kernel_mode
 
 
 def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -62,6 +64,19 @@ def answer_logprobs(model: LlamaModel, tokens: list[int], start: int) -> tuple[t
     return logprobs.gather(1, target[:, None])[:, 0], logprobs.argmax(-1)
 
 
+def decode_numerics(model: LlamaModel) -> None:
+    """Make every row of a forward run through the quantized kernels, as decoding's few-row steps do: a
+    forward over a whole conversation would otherwise take the fp32 copy of the quantized values that
+    many-row GEMMs use on CPUs without bf16 arithmetic."""
+    from engines.parallel import PackableLinear
+
+    for m in model.modules():
+        if isinstance(m, PackableLinear) and m.quant is not None:
+            m.wide = None
+    if model.lm_head_quant is not None:
+        model.lm_head_wide = None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Score every setting against the fp32 reference; print one JSON line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +85,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per conversation at most")
     ap.add_argument("--settings", default="none,int8,int4,gguf", help="quantization settings to score (bf16)")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the scored settings")
+    ap.add_argument("--kernels", default="auto", choices=KERNEL_MODES, help="kernel mode (torch: PyTorch's int4/int8)")
     args = ap.parse_args(argv)
+    set_kernel_mode(args.kernels)
     reference = load_model(args.model, "float32", "cpu", quantization="none")
     tokenizer = Tokenizer(reference.checkpoint)
     convs = scored_conversations(tokenizer, args.num, args.max_tokens)
@@ -81,12 +98,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "conversations": len(convs),
         "answer_tokens": int(ref_ll.numel()),
         "reference": {"setting": "fp32, dequantized", "mean_loglik": float(ref_ll.mean())},
+        "kernels": args.kernels,
         "settings": {},
     }
     for setting in args.settings.split(","):
         loaded = load_model(args.model, args.dtype, "cpu", quantization=setting)
         if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
             loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
+        decode_numerics(loaded.model)
         got = [answer_logprobs(loaded.model, t, s) for t, s in convs]
         ll = torch.cat([lp for lp, _ in got])
         agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()

@@ -1,10 +1,16 @@
-"""Weight-only quantized linears on CPU: int8 per output channel, int4 in groups of 32 along the input.
+"""Weight-only quantized linears on CPU: int4 in groups of 32 along the input, and int8.
 
-The matrix products are PyTorch's own CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
-which read the packed weights and take bf16 activations (their fp32-activation paths are ~10x slower on
-an AVX2 CPU, measured). An int4 weight is built from codes q in [0, 15] with, per (row, group), a scale
-s and a zero z: w = (q - 8) * s + z. That is exactly GGUF's Q4_0 (z = 0) and Q4_1 (w = q * d + m, so
-s = d and z = m + 8 d), which load without re-quantizing (engines/gguf_weights.py).
+An int4 weight is built from codes q in [0, 15] with, per (row, group), a scale s and a zero z:
+w = (q - 8) * s + z. That is exactly GGUF's Q4_0 (z = 0) and Q4_1 (w = q * d + m, so s = d and
+z = m + 8 d), which load without re-quantizing (engines/gguf_weights.py).
+
+Two layouts compute the products, both taking and returning bf16:
+- "integer_dot" (the default where it builds, kernels/integer_dot.py): int8 activations times the codes as
+  integers, llama.cpp's way; int8 weights have a scale per group of 32 (GGUF's Q8_0); scales and
+  minimums are fp16, as GGUF stores them.
+- "torch": PyTorch's own kernels (`_weight_int8pack_mm`, int8 per output channel;
+  `_weight_int4pack_mm_for_cpu`, bf16 scales and zeros), which widen the weights to float (their
+  fp32-activation paths are ~10x slower on an AVX2 CPU, measured). Kernel mode "torch" forces them.
 """
 
 from __future__ import annotations
@@ -13,14 +19,24 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import integer_dot
+from kernels.dispatch import kernel_mode
+
 GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 16  # PyTorch's CPU int4 packing takes output sizes divisible by 16
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 ACTIVATION_DTYPE = torch.bfloat16  # what the packed kernels take (and return)
-# On a CPU without bf16 arithmetic (AVX2) fp32 GEMMs over the dequantized values beat the packed kernels
-# from about this many rows (the embedded model's projections, 2 cores: int4 98.6 ms vs fp32 136 ms at 16
-# rows, 184 vs 174 at 32); such CPUs keep an fp32 copy of the values for those GEMMs.
-WIDE_MIN_ROWS = 24
+LAYOUTS = ("integer_dot", "torch")
+# On a CPU without bf16 arithmetic (AVX2) fp32 GEMMs over the dequantized values beat the quantized kernels
+# from about this many rows; such CPUs keep an fp32 copy of the values for those GEMMs. Measured on the
+# embedded model's projections, 2 cores (`python -m kernels.bench --linears`): torch int4 98.6 ms vs fp32
+# 136 ms at 16 rows, 184 vs 174 at 32; integer-dot int4 120 vs 136 at 32 rows, 235 vs 204 at 64.
+WIDE_MIN_ROWS = {"integer_dot": 48, "torch": 24}
+
+
+def default_layout() -> str:
+    """ "integer_dot" where its kernel builds and the kernel mode is not "torch", else "torch"."""
+    return "integer_dot" if kernel_mode() != "torch" and integer_dot.available() else "torch"
 
 
 @dataclass
@@ -59,22 +75,38 @@ class QuantizedWeight:
     """A packed weight-only quantized [out_features, in_features] matrix and its x @ W.T."""
 
     kind: str  # "int8" or "int4"
-    data: torch.Tensor  # int8: [N, K] int8; int4: PyTorch's CPU int4 packing, [N, K / 2] uint8
-    scales: torch.Tensor  # int8: [N] bf16; int4: [K / group, N, 2] bf16 scale and zero
+    # integer_dot: int8 [N, K] int8; int4 [N, K / 2] uint8 (`integer_dot.pack_q4`).
+    # torch: int8 [N, K] int8; int4 PyTorch's CPU int4 packing, [N, K / 2] uint8.
+    data: torch.Tensor
+    # integer_dot: [N, K / group] fp16. torch: int8 [N] bf16; int4 [K / group, N, 2] bf16 scale and zero.
+    scales: torch.Tensor
     out_features: int
     in_features: int
+    layout: str = "torch"
+    mins: torch.Tensor | None = None  # integer_dot int4: [N, K / group] fp16, w = q * scale + min
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] in bf16."""
+    def matmul(self, x: torch.Tensor, out_dtype: torch.dtype = ACTIVATION_DTYPE) -> torch.Tensor:
+        """x [M, K] -> [M, N] in bf16, or in fp32 when asked (the integer-dot layout then skips the bf16
+        rounding: logits)."""
         x = x.to(ACTIVATION_DTYPE)
+        if self.layout == "integer_dot":
+            if self.kind == "int8":
+                return integer_dot.q8_matmul(x, self.data, self.scales, out_dtype)
+            assert self.mins is not None
+            return integer_dot.q4_matmul(x, self.data, self.scales, self.mins, out_dtype)
         if self.kind == "int8":
-            return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP_SIZE, self.scales)
+            return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales).to(out_dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, GROUP_SIZE, self.scales).to(out_dtype)
+
+    @property
+    def wide_min_rows(self) -> int:
+        """From how many rows an fp32 copy of the values beats this layout on an AVX2 CPU."""
+        return WIDE_MIN_ROWS[self.layout]
 
     @property
     def nbytes(self) -> int:
-        """Memory of the packed weight and its scales."""
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+        """Memory of the packed weight, its scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
 
 
 def can_quantize(kind: str, weight: torch.Tensor) -> bool:
@@ -86,12 +118,21 @@ def can_quantize(kind: str, weight: torch.Tensor) -> bool:
     return kind == "int8" or (kind == "int4" and k % GROUP_SIZE == 0 and n % INT4_ROW_MULTIPLE == 0)
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per output channel: w ≈ q * scale, q in [-127, 127]."""
+def quantize_int8(weight: torch.Tensor, layout: str | None = None) -> QuantizedWeight:
+    """Symmetric int8, w ≈ q * scale with q in [-127, 127]: a scale per group of 32 inputs in the
+    integer-dot layout (where the input size is made of groups), else per output channel."""
+    layout = layout or default_layout()
     w = weight.float()
+    n, k = w.shape
+    if layout == "integer_dot" and k % GROUP_SIZE == 0:
+        groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+        scales = (groups.abs().amax(-1) / 127).clamp_min(1e-7).half().float()  # what the kernel reads
+        q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
+        scales = scales.to(integer_dot.SCALE_DTYPE).contiguous()
+        return QuantizedWeight("int8", q.contiguous(), scales, n, k, "integer_dot")
     scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
     q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", q.contiguous(), scales.to(ACTIVATION_DTYPE), *w.shape)
+    return QuantizedWeight("int8", q.contiguous(), scales.to(ACTIVATION_DTYPE), n, k)
 
 
 def int4_codes(weight: torch.Tensor) -> Int4Codes:
@@ -104,9 +145,15 @@ def int4_codes(weight: torch.Tensor) -> Int4Codes:
     return Int4Codes(codes, scales, low + 8 * scales)
 
 
-def pack_int4(codes: Int4Codes) -> QuantizedWeight:
-    """Pack int4 codes into PyTorch's CPU layout (ValueError for an output size it does not take)."""
+def pack_int4(codes: Int4Codes, layout: str | None = None) -> QuantizedWeight:
+    """Pack int4 codes for `layout` (the default layout when None; ValueError for an output size PyTorch's
+    CPU packing does not take)."""
     n, k = codes.codes.shape
+    if (layout or default_layout()) == "integer_dot":
+        half = integer_dot.SCALE_DTYPE
+        scales = codes.scales.to(half).contiguous()
+        mins = (codes.zeros.float() - 8 * codes.scales.float()).to(half).contiguous()
+        return QuantizedWeight("int4", integer_dot.pack_q4(codes.codes), scales, n, k, "integer_dot", mins)
     if n % INT4_ROW_MULTIPLE:
         raise ValueError(f"int4 packing needs a multiple of {INT4_ROW_MULTIPLE} output rows, not {n}")
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 2)
@@ -114,19 +161,29 @@ def pack_int4(codes: Int4Codes) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scales_zeros, n, k)
 
 
-def dequantized(weight: QuantizedWeight | Int4Codes) -> torch.Tensor:
-    """The fp32 [N, K] values an int8 weight or int4 codes compute with (scales and zeros rounded to bf16,
-    as the packed kernels hold them): an fp32 model computes the quantized model's math exactly with them."""
+def dequantized(weight: QuantizedWeight | Int4Codes, layout: str | None = None) -> torch.Tensor:
+    """The fp32 [N, K] values a quantized weight, or int4 codes packed for `layout` (the default layout when
+    None), compute with: an fp32 model computes the quantized model's weights exactly with them. PyTorch's
+    int4 layout rounds scales and zeros to bf16; the integer-dot layout holds scales and minimums in fp16."""
     if isinstance(weight, Int4Codes):
+        if (layout or default_layout()) == "integer_dot":
+            return dequantized(pack_int4(weight, "integer_dot"))
         rounded = Int4Codes(weight.codes, *(t.to(ACTIVATION_DTYPE).float() for t in (weight.scales, weight.zeros)))
         return rounded.dequantize()
+    n, k = weight.out_features, weight.in_features
+    if weight.layout == "integer_dot":
+        codes = weight.data.float() if weight.kind == "int8" else integer_dot.unpack_q4(weight.data).float()
+        values = codes.view(n, k // GROUP_SIZE, GROUP_SIZE) * weight.scales.float()[..., None]
+        if weight.mins is not None:
+            values = values + weight.mins.float()[..., None]
+        return values.view(n, k)
     if weight.kind != "int8":
-        raise ValueError("packed int4 weights are not unpacked: dequantize their codes")
+        raise ValueError("packed int4 weights in PyTorch's layout are not unpacked: dequantize their codes")
     return weight.data.float() * weight.scales.float()[:, None]
 
 
-def quantize(kind: str, weight: torch.Tensor) -> QuantizedWeight:
-    """`kind` ("int8" or "int4") of a dense [N, K] weight."""
+def quantize(kind: str, weight: torch.Tensor, layout: str | None = None) -> QuantizedWeight:
+    """`kind` ("int8" or "int4") of a dense [N, K] weight, in `layout` (the default layout when None)."""
     if not can_quantize(kind, weight):
         raise ValueError(f"cannot quantize a {tuple(weight.shape)} {weight.device.type} weight as {kind}")
-    return quantize_int8(weight) if kind == "int8" else pack_int4(int4_codes(weight))
+    return quantize_int8(weight, layout) if kind == "int8" else pack_int4(int4_codes(weight), layout)

@@ -1,0 +1,156 @@
+"""Integer-dot matrix products for 4-bit and 8-bit weights on x86 CPUs with AVX2 (kernels/csrc/int4_gemm.c).
+
+PyTorch's weight-only CPU kernels widen every weight to float before multiplying. Like llama.cpp, this
+kernel instead quantizes the activations to int8 in blocks of 32 and multiplies them with the weights'
+codes as integers, so a step reads each weight byte once and does a quarter of the float work. The C
+source is compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
+~/.cache/lyanna-serve/kernels), keyed by the source's hash; where there is no compiler, no AVX2/FMA, or
+the build fails, `available()` is False and the PyTorch kernels run instead.
+
+Weights (w [N, K], K a multiple of 32):
+- q4: codes q in [0, 15] with, per (row, group of 32), an fp16 scale d and minimum m: w = q * d + m
+  (GGUF's Q4_1; Q4_0 is m = -8 d);
+- q8: codes q in [-127, 127] with an fp16 scale d per (row, group of 32): w = q * d (GGUF's Q8_0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+GROUP = 32
+SOURCE = Path(__file__).parent / "csrc" / "int4_gemm.c"
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+SCALE_DTYPE = torch.float16  # of the per-group scales and minimums, as GGUF stores them
+
+log = logging.getLogger(__name__)
+
+
+def build_dir() -> Path:
+    """Where the compiled kernel is cached."""
+    root = os.environ.get("LYANNA_CACHE_DIR", Path.home() / ".cache" / "lyanna-serve")
+    return Path(root) / "kernels"
+
+
+def cpu_supports_kernel() -> bool:
+    """Whether this is a Linux x86-64 CPU with AVX2, FMA and F16C."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags.split(":", 1)[1].split())
+
+
+def _compile(source: Path, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *COMPILE_FLAGS, "-o", str(built), str(source)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders (Ray workers) never load a partial file
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use (None where it cannot be)."""
+    if not cpu_supports_kernel():
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode()).hexdigest()[:16]
+    target = build_dir() / f"int4_gemm-{digest}.so"
+    try:
+        if not target.exists():
+            _compile(SOURCE, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as e:
+        log.warning("integer-dot kernel unavailable, using PyTorch's weight-only kernels: %s", e)
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quantize_activations.argtypes = [p, i64, i64, p, p, p]
+    lib.q4_gemm.argtypes = [p, p, p, i64, i64, p, p, p, i64, p, i32, i32]
+    lib.q8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32, i32]
+    for fn in (lib.quantize_activations, lib.q4_gemm, lib.q8_gemm):
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel runs on this machine (compiling it on the first call)."""
+    return _library() is not None
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in [0, 15] -> [N, K / 2] uint8: per group, byte j holds element j (low nibble) and j + 16."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // GROUP, GROUP)
+    return (c[..., :16] | (c[..., 16:] << 4)).contiguous().view(n, k // 2)
+
+
+def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_q4`."""
+    n, half = packed.shape
+    p = packed.view(n, half // 16, 16)
+    return torch.cat([p & 0xF, p >> 4], dim=-1).view(n, 2 * half)
+
+
+def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lib = _library()
+    assert lib is not None, "the integer-dot kernel is not available (check available() first)"
+    rows, k = x.shape
+    xq = torch.empty(rows, k, dtype=torch.int8)
+    dx = torch.empty(rows, k // GROUP)
+    sx = torch.empty(rows, k // GROUP)
+    lib.quantize_activations(x.data_ptr(), rows, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return xq, dx, sx
+
+
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def q4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in `out_dtype` (bf16 or fp32) for a q4 weight (packed [N, K / 2] from
+    `pack_q4`, scales and mins [N, K / 32] fp16)."""
+    assert out_dtype in OUT_DTYPES
+    x = x.to(torch.bfloat16).contiguous()
+    (rows, k), n = x.shape, packed.shape[0]
+    xq, dx, sx = _quantized_activations(x)
+    out = torch.empty(rows, n, dtype=out_dtype)
+    _library().q4_gemm(  # type: ignore[union-attr]
+        packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, xq.data_ptr(), dx.data_ptr(),
+        sx.data_ptr(), rows, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in `out_dtype` (bf16 or fp32) for a q8 weight (codes [N, K] int8, scales
+    [N, K / 32] fp16)."""
+    assert out_dtype in OUT_DTYPES
+    x = x.to(torch.bfloat16).contiguous()
+    (rows, k), n = x.shape, codes.shape[0]
+    xq, dx, _ = _quantized_activations(x)
+    out = torch.empty(rows, n, dtype=out_dtype)
+    _library().q8_gemm(  # type: ignore[union-attr]
+        codes.data_ptr(), scales.data_ptr(), n, k, xq.data_ptr(), dx.data_ptr(), rows, out.data_ptr(),
+        out_dtype == torch.float32, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
