@@ -76,6 +76,7 @@ class AttentionMetadata:
     block_size: int = 16
     tree_masks: torch.Tensor | None = None  # [T, words] int32 ancestor bitmasks of tree tokens; None: no tree
     is_tree: torch.Tensor | None = None  # [B] int32, 1 where the sequence's new tokens are a tree
+    parents: torch.Tensor | None = None  # [T] int32 parent of each new token among its sequence's (-1: none)
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -206,10 +207,12 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str,
     block_tables: torch.Tensor | None = None,
+    cpu_groups: bool = True,
 ) -> AttentionMetadata:
     """Lay out a ragged batch for `paged_attention`: computed on the host, moved to the device once.
     `block_tables`, when given, is the caller's persistent device buffer ([>= B, >= max blocks] int32)
-    whose leading rows are filled in place; otherwise a new tensor is made."""
+    whose leading rows are filled in place; otherwise a new tensor is made. Without `cpu_groups` the CPU
+    implementation's groups are not planned (a caller that attends by other means: kernels/fused_decoder.py)."""
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
@@ -220,7 +223,10 @@ def build_attention_metadata(
         tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
     to = {"device": device, "non_blocking": True}
     triton = use_triton(torch.empty(0, device=device))
-    groups = [] if triton else [_group(seqs, members, starts, block_size) for members in plan_groups(seqs)]
+    groups = []
+    if cpu_groups and not triton:
+        groups = [_group(seqs, members, starts, block_size) for members in plan_groups(seqs)]
+    parents = [p for s in seqs for p in (s.tree_parents if s.tree_parents is not None else range(-1, s.num_new - 1))]
     tree_masks = is_tree = None
     trees = [s for s in seqs if s.tree_parents is not None]
     if triton and trees:
@@ -255,6 +261,7 @@ def build_attention_metadata(
         block_size=block_size,
         tree_masks=tree_masks,
         is_tree=is_tree,
+        parents=torch.tensor(parents, dtype=torch.int32).to(**to),
     )
 
 

@@ -16,7 +16,8 @@ transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run 
 the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
 ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp (llama-cpp-python)
 on the GGUF as shipped (`llamacpp`) and converted to bf16 (`llamacpp-bf16`); it serves one sequence
-at a time. `NAME+QUANT` runs a configuration with other target weights (`none+int8`, `lyanna+none`).
+at a time. `NAME+QUANT` runs a configuration with other target weights (`none+int8`, `lyanna+none`), and
+`NAME+eager` on the model's eager layers (`enforce_eager`: no fused CPU decoder), e.g. `none+eager`.
 The last line of stdout is one JSON object; its top-level fields
 describe the first configuration, `configs` holds them all.
 """
@@ -106,7 +107,8 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
     as in serving, where the configured tree is the caps)."""
     variant, _, policy = variant.partition("@")
-    variant, _, quantization = variant.partition("+")
+    variant, *options = variant.split("+")
+    quantization = next((o for o in options if o != "eager"), None)
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
     return EngineConfig(
@@ -121,6 +123,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         draft_model=checkpoint,
         spec=spec,
         spec_policy=policy or "fixed",
+        enforce_eager=args.enforce_eager or "eager" in options,
         **overrides,
     )
 
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=["auto", "none", "int8", "int4", "gguf"],
         help="target weights (a configuration NAME+QUANT overrides it, e.g. none+int8)",
     )
+    ap.add_argument("--enforce-eager", action="store_true", help="the eager layers for every configuration")
     ap.add_argument(
         "--compare-llamacpp",
         action="store_true",

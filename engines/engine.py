@@ -138,6 +138,9 @@ class EngineConfig:
     # channel), "int4" (groups of 32), "gguf" (a GGUF's own Q4_0/Q4_1 blocks as int4, as shipped), or
     # "auto" = "gguf" for a GGUF model (the embedded default) in bf16/fp16 on CPU, else "none".
     quantization: str = "auto"
+    # Run the target's eager PyTorch layers for every step (vLLM's enforce_eager): no fused CPU decoder
+    # (kernels/fused_decoder.py), which otherwise runs steps of up to 64 new tokens in one call.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -198,6 +201,7 @@ class LLMEngine:
         loaded = load_model(config.model, config.dtype, config.device, tp=tp, quantization=config.quantization)
         self.quantization = loaded.quantization
         self.model, self.model_config, self.device = loaded.model, loaded.config, loaded.device
+        self.model.enforce_eager = config.enforce_eager
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
         cfg = self.model_config

@@ -25,7 +25,7 @@ from engines.parallel import (
     TensorParallel,
     balanced_shares,
 )
-from kernels import onednn_linear
+from kernels import fused_decoder, onednn_linear
 from kernels.quantized_linear import (
     ACTIVATION_DTYPE,
     GROUP_SIZE,
@@ -209,6 +209,8 @@ class LlamaModel(nn.Module):
         self.lm_head_quant: QuantizedWeight | None = None  # the LM head's own quantized copy (see `quantize`)
         self.lm_head_exact: torch.Tensor | None = None  # fp32 models: its dequantized values instead
         self.compute_dtype = dtype  # of the residual stream and the norms (see `compute_in`)
+        self._fused: fused_decoder.FusedDecoder | None = None  # built on first use (see `fused_decoder`)
+        self.enforce_eager = False  # True: always the eager layers (no fused CPU decoder)
 
     def compute_in(self, dtype: torch.dtype) -> None:
         """Keep the residual stream and the norms in `dtype` (fp32 on CPUs that would emulate bf16: fewer,
@@ -302,6 +304,15 @@ class LlamaModel(nn.Module):
             stored = weights.dequantized(head) if head in weights.tensors else self.lm_head_weight.data
             self._take_head(quantize_int8(stored))
 
+    def fused_decoder(self, kv_cache: PagedKVCache, num_tokens: int) -> fused_decoder.FusedDecoder | None:
+        """The one-call CPU decoder (kernels/fused_decoder.py) for a step of `num_tokens` new tokens over
+        `kv_cache`, where it applies; None: the eager layers run."""
+        if self.enforce_eager or not 0 < num_tokens <= fused_decoder.MAX_ROWS:
+            return None
+        if self._fused is None or not self._fused.serves(kv_cache):
+            self._fused = fused_decoder.FusedDecoder(self, kv_cache) if fused_decoder.applies(self, kv_cache) else None
+        return self._fused
+
     @torch.inference_mode()
     def forward(
         self,
@@ -311,10 +322,14 @@ class LlamaModel(nn.Module):
         kv_cache: PagedKVCache,
         logits_indices: torch.Tensor | None = None,  # [N] rows of T that need logits; None = all
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [N, vocab] fp32, hidden [T, hidden]
-        x = self.embed_tokens(input_ids).to(self.compute_dtype)
-        cos, sin = self.rotary(positions, kv_cache.k.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], meta)
+        fused = self.fused_decoder(kv_cache, input_ids.shape[0]) if meta.parents is not None else None
+        if fused is not None:
+            x = fused(self.embed_tokens(input_ids).float(), positions, meta)  # fp32 into the final norm
+        else:
+            x = self.embed_tokens(input_ids).to(self.compute_dtype)
+            cos, sin = self.rotary(positions, kv_cache.k.dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], meta)
         hidden = self.norm(x).to(self.dtype)
         selected = hidden if logits_indices is None else hidden[logits_indices]
         return self.compute_logits(selected), hidden

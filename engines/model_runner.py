@@ -70,7 +70,8 @@ class ModelRunner:
             seqs.append(SequenceLayout(plan.block_tables[b], plan.num_cached[b], hi - lo, parents))
         width = max(len(t) for t in plan.block_tables)
         tables = self._table_buffer(plan.num_seqs, width)
-        meta = build_attention_metadata(seqs, self.kv.block_size, self.device, tables)
+        fused = self.model.fused_decoder(self.kv, plan.num_tokens)
+        meta = build_attention_metadata(seqs, self.kv.block_size, self.device, tables, cpu_groups=fused is None)
         host = torch.tensor([plan.token_ids, plan.positions], dtype=torch.long)
         ids_positions = host.to(self.device, non_blocking=True)
         rows = plan.logits_indices if logits else []

@@ -2,9 +2,10 @@
 
 PyTorch's weight-only CPU kernels widen every weight to float before multiplying. Like llama.cpp, this
 kernel instead quantizes the activations to int8 in blocks of 32 and multiplies them with the weights'
-codes as integers, so a step reads each weight byte once and does a quarter of the float work. The C
-source is compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
-~/.cache/lyanna-serve/kernels), keyed by the source's hash; where there is no compiler, no AVX2/FMA, or
+codes as integers, so a step reads each weight byte once and does a quarter of the float work. The same
+library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c). The C sources are
+compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
+~/.cache/lyanna-serve/kernels), keyed by the sources' hash; where there is no compiler, no AVX2/FMA, or
 the build fails, `available()` is False and the PyTorch kernels run instead.
 
 Weights (w [N, K], K a multiple of 32):
@@ -29,8 +30,11 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-SOURCE = Path(__file__).parent / "csrc" / "int4_gemm.c"
-COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c"))
+HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
+# No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined
+# copy of a row's code, and a row's result would then depend on how many rows it was computed with.
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 SCALE_DTYPE = torch.float16  # of the per-group scales and minimums, as GGUF stores them
 
 log = logging.getLogger(__name__)
@@ -53,7 +57,7 @@ def cpu_supports_kernel() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags.split(":", 1)[1].split())
 
 
-def _compile(source: Path, target: Path) -> None:
+def _compile(sources: tuple[Path, ...], target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) found")
@@ -61,7 +65,7 @@ def _compile(source: Path, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, "-o", str(built), str(source)], capture_output=True, text=True
+            [compiler, *COMPILE_FLAGS, "-o", str(built), *map(str, sources)], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -73,11 +77,11 @@ def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use (None where it cannot be)."""
     if not cpu_supports_kernel():
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode()).hexdigest()[:16]
-    target = build_dir() / f"int4_gemm-{digest}.so"
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS)) + " ".join(COMPILE_FLAGS).encode()
+    target = build_dir() / f"integer_dot-{hashlib.sha256(text).hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _compile(SOURCE, target)
+            _compile(SOURCES, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as e:
         log.warning("integer-dot kernel unavailable, using PyTorch's weight-only kernels: %s", e)
@@ -88,6 +92,15 @@ def _library() -> ctypes.CDLL | None:
     lib.q8_gemm.argtypes = [p, p, i64, i64, p, p, i64, p, i32, i32]
     for fn in (lib.quantize_activations, lib.q4_gemm, lib.q8_gemm):
         fn.restype = None
+    lib.decoder_forward.argtypes = [p, p, p, i32]
+    lib.decoder_forward.restype = i32
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (call `available()` first)."""
+    lib = _library()
+    assert lib is not None, "the integer-dot kernel is not available (check available() first)"
     return lib
 
 

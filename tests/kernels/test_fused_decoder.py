@@ -1,0 +1,238 @@
+"""The one-call CPU decoder (kernels/fused_decoder.py): it computes the model's layers over the quantized
+weights, rows do not depend on their batch, and in the served configuration speculation stays lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.attention import SequenceLayout, build_attention_metadata, reference_paged_attention, sequence_slots
+from engines.config import ModelConfig
+from engines.engine import EngineConfig, LLMEngine
+from engines.kv_cache import PagedKVCache
+from engines.model import LlamaModel
+from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
+from kernels import dispatch, fused_decoder, integer_dot
+from kernels.quantized_linear import GROUP_SIZE, dequantized
+from tests.conftest import CHAT_PROMPTS
+
+pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
+
+BLOCK = 4
+
+
+def tiny_model(seed: int = 0) -> LlamaModel:
+    """A random bf16 Llama (4 query / 2 KV heads of 16; 5 and 7 groups of 32 in, so the kernels run both
+    their four-group loop and its tail) with int4 attention and int8 MLP weights."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=96, hidden_size=160, intermediate_size=224, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    model = LlamaModel(cfg, torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.15)
+    for layer in model.layers:
+        layer.input_norm.weight.data.uniform_(0.5, 1.5)
+        layer.post_attn_norm.weight.data.uniform_(0.5, 1.5)
+        layer.attn.qkv_proj.quantize("int4")
+        layer.attn.o_proj.quantize("int4")
+        layer.mlp.gate_up_proj.quantize("int8")
+        layer.mlp.down_proj.quantize("int8")
+    return model
+
+
+def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it: int8 codes per block of 32 times the block's scale (computed in fp32)."""
+    v = x.float().reshape(-1, GROUP_SIZE)
+    d = v.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(v * inv).double() * d.double()).reshape(x.shape)
+
+
+def reference_layers(model, x, positions, seqs, kv, slots) -> torch.Tensor:
+    """The layers in fp64 over the dequantized weights, activations as int8 blocks, K/V rounded to the
+    cache's dtype; writes the new tokens' K/V into `kv` as the kernel does."""
+    cfg = model.cfg
+    D, Hq, Hk = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    cos, sin = model.rotary.cos[positions].double()[:, None], model.rotary.sin[positions].double()[:, None]
+
+    def linear(h, lin):
+        return blocks_of_32(h) @ dequantized(lin.quant).double().T
+
+    def rms(h, w):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w.double()
+
+    def rope(t):
+        a, b = t.chunk(2, -1)
+        return t * cos + torch.cat([-b, a], -1) * sin
+
+    x = x.double()
+    for i, layer in enumerate(model.layers):
+        qkv = linear(rms(x, layer.input_norm.weight), layer.attn.qkv_proj)
+        q = rope(qkv[:, : Hq * D].view(-1, Hq, D))
+        k = rope(qkv[:, Hq * D : (Hq + Hk) * D].view(-1, Hk, D))
+        v = qkv[:, (Hq + Hk) * D :].view(-1, Hk, D)
+        kv.k[i][slots], kv.v[i][slots] = k.to(kv.k.dtype), v.to(kv.v.dtype)
+        attn = reference_paged_attention(q, kv.k[i].double(), kv.v[i].double(), seqs, BLOCK, D**-0.5)
+        x = x + linear(attn, layer.attn.o_proj)
+        gate, up = linear(rms(x, layer.post_attn_norm.weight), layer.mlp.gate_up_proj).chunk(2, -1)
+        x = x + linear(F.silu(gate) * up, layer.mlp.down_proj)
+    return x
+
+
+def ragged_batch(kv: PagedKVCache) -> list[SequenceLayout]:
+    """A decode over 37 cached tokens in scattered blocks, a 6-node tree over 9, a 5-token prompt chunk
+    with nothing cached and a 3-token chunk over 10; cached K/V are random."""
+    specs = [("dec", 37, 1, None), ("tree", 9, 6, [-1, 0, 0, 1, 3, 2]), ("new", 0, 5, None), ("chunk", 10, 3, None)]
+    kv.allocate("pad", 8)  # later sequences' blocks do not start at block 0
+    seqs = []
+    for name, cached, new, parents in specs:
+        kv.allocate(name, cached + new)
+        if name == "dec":
+            kv.allocate("gap", 8)  # ... nor run consecutively
+        seqs.append(SequenceLayout(kv.block_tables[name], cached, new, parents))
+    for layer in range(kv.k.shape[0]):
+        kv.k[layer].normal_()
+        kv.v[layer].normal_()
+    return seqs
+
+
+def positions_of(seqs: list[SequenceLayout]) -> torch.Tensor:
+    pos = []
+    for s in seqs:
+        if s.tree_parents is None:
+            pos += range(s.num_cached, s.num_keys)
+        else:
+            depth: list[int] = []
+            for p in s.tree_parents:
+                depth.append(0 if p < 0 else depth[p] + 1)
+            pos += [s.num_cached + d for d in depth]
+    return torch.tensor(pos)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtype):
+    model = tiny_model()
+    kv = PagedKVCache(2, 2, 16, 64, BLOCK, cache_dtype, "cpu")
+    seqs = ragged_batch(kv)
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    positions = positions_of(seqs)
+    x = torch.randn(len(positions), 160)
+    ref_kv = PagedKVCache(2, 2, 16, 64, BLOCK, cache_dtype, "cpu")
+    ref_kv.k.copy_(kv.k)
+    ref_kv.v.copy_(kv.v)
+
+    assert fused_decoder.applies(model, kv)
+    out = fused_decoder.FusedDecoder(model, kv)(x.clone(), positions, meta)
+    ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping)
+
+    # fp32 math against fp64; in a bf16 cache a K/V value near a rounding boundary may round the other way
+    tolerance = 2e-3 if cache_dtype == torch.float32 else 1e-2
+    assert (out.double() - ref).abs().max() < tolerance * ref.abs().max()
+    new = meta.slot_mapping
+    for layer in range(2):
+        for got, want in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
+            assert (got[layer][new].double() - want[layer][new].double()).abs().max() < 2e-2
+            # every other slot is untouched
+            rest = torch.ones(got.shape[1], dtype=torch.bool)
+            rest[new] = False
+            assert torch.equal(got[layer][rest], want[layer][rest])
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """A tree node's output equals decoding its path token by token, and a decode row alone equals the
+    same row in a mixed batch: bit for bit."""
+    model = tiny_model(1)
+    kv = PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu")
+    seqs = ragged_batch(kv)
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    positions = positions_of(seqs)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    x = torch.randn(len(positions), 160)
+    snapshot = (kv.k.clone(), kv.v.clone())
+    batch = decoder(x.clone(), positions, meta)
+
+    # The decode row alone (rows: dec 0, tree 1-6, new 7-11, chunk 12-14).
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+    alone = decoder(x[:1].clone(), positions[:1], build_attention_metadata(seqs[:1], BLOCK, "cpu", cpu_groups=False))
+    assert torch.equal(alone[0], batch[0])
+
+    # The tree's path 0 -> 1 -> 3 -> 4 decoded one token at a time over the same 9 cached tokens.
+    tree = seqs[1]
+    path = [0, 1, 3, 4]
+    kv.allocate("path", tree.num_cached + len(path))
+    table = kv.block_tables["path"]
+    cached = sequence_slots(tree.block_table, BLOCK, 0, tree.num_cached)
+    mine = sequence_slots(table, BLOCK, 0, tree.num_cached)
+    for cache in (kv.k, kv.v):
+        cache[:, mine] = cache[:, cached]
+    for depth, node in enumerate(path):
+        step = SequenceLayout(table, tree.num_cached + depth, 1)
+        row = decoder(
+            x[1 + node : 2 + node].clone(),
+            torch.tensor([tree.num_cached + depth]),
+            build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False),
+        )
+        assert torch.equal(row[0], batch[1 + node]), f"depth {depth}"
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_an_integer_dot_row_does_not_depend_on_the_rows_beside_it(kind):
+    """Each output row of the projections equals that row computed alone, for 1 to 9 rows (tiles of 1-4),
+    with 18 groups of 32 (the four-group loop and its tail)."""
+    torch.manual_seed(0)
+    n, k = 64, 576
+    codes = integer_dot.pack_q4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+    signed = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scales, mins = (torch.rand(n, k // 32) * 0.1).half(), (torch.randn(n, k // 32) * 0.1).half()
+
+    def matmul(x):
+        if kind == "q4":
+            return integer_dot.q4_matmul(x, codes, scales, mins, torch.float32)
+        return integer_dot.q8_matmul(x, signed, scales, torch.float32)
+
+    x = torch.randn(9, k).bfloat16()
+    alone = torch.cat([matmul(x[r : r + 1]) for r in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(matmul(x[:rows]), alone[:rows]), rows
+
+
+def test_where_it_applies():
+    model = tiny_model()
+    kv = PagedKVCache(2, 2, 16, 64, BLOCK, torch.float32, "cpu")
+    assert fused_decoder.applies(model, kv)
+    assert not fused_decoder.applies(model, PagedKVCache(2, 2, 16, 64, BLOCK, torch.float16, "cpu"))
+    assert model.fused_decoder(kv, fused_decoder.MAX_ROWS) is not None
+    assert model.fused_decoder(kv, fused_decoder.MAX_ROWS + 1) is None  # many rows: the eager layers
+    model.enforce_eager = True
+    assert model.fused_decoder(kv, 1) is None
+    model.enforce_eager = False
+    dense = LlamaModel(model.cfg, torch.bfloat16)  # not quantized
+    assert not fused_decoder.applies(dense, kv)
+    dispatch.set_kernel_mode("torch")
+    try:
+        assert not fused_decoder.applies(model, kv)
+    finally:
+        dispatch.set_kernel_mode("auto")
+
+
+@pytest.mark.slow
+def test_speculation_is_lossless_in_the_served_configuration():
+    """The embedded model as served (bf16, the GGUF's int4 blocks, the fused decoder): with Lyanna trees,
+    greedy and seeded outputs equal plain decoding's, in one batch, because a verified row computes
+    exactly what decoding it would."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, spec=SpecParams(depth=3, width=2, budget=6)))
+    assert engine.quantization == "gguf" and engine.model.fused_decoder(engine.kv_cache, 8) is not None
+    off = SpecParams(enabled=False)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
+    for params in (greedy, seeded):
+        reqs = [engine.add_request(p, params, spec=spec) for p in CHAT_PROMPTS[1:3] for spec in (None, off)]
+        while engine.has_unfinished():
+            engine.step()
+        assert reqs[0].output_token_ids == reqs[1].output_token_ids
+        assert reqs[2].output_token_ids == reqs[3].output_token_ids
+    assert engine.stats().spec.num_accepted_tokens > 0 and engine.stats().kv_free_blocks == 256
