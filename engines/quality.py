@@ -25,6 +25,7 @@ from engines.kv_cache import PagedKVCache
 from engines.loader import load_model
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
+from kernels import fused_decoder
 from kernels.dispatch import KERNEL_MODES, set_kernel_mode
 
 
@@ -51,15 +52,22 @@ def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> lis
 
 @torch.inference_mode()
 def answer_logprobs(model: LlamaModel, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-likelihoods of tokens[start:] given their prefixes ([n] fp32), and the argmax before each."""
+    """Log-likelihoods of tokens[start:] given their prefixes ([n] fp32), and the argmax before each. The
+    conversation is read in chunks of `fused_decoder.MAX_ROWS` tokens, the steps a decode or a verified
+    draft takes (on the fused CPU decoder a row's result does not depend on its chunk, so each token is
+    scored exactly as decoding it would compute it)."""
     cfg, n, block = model.cfg, len(tokens), 16
     kv_dtype = torch.float32 if model.compute_dtype == torch.float32 else model.dtype
     kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, kv_dtype, "cpu")
     kv.allocate("x", n)
-    meta = build_attention_metadata([SequenceLayout(kv.block_tables["x"], 0, n)], block, "cpu")
-    rows = torch.arange(start - 1, n - 1)
-    logits, _ = model(torch.tensor(tokens), torch.arange(n), meta, kv, rows)
-    logprobs = logits.float().log_softmax(-1)
+    logits = []
+    for first in range(0, n - 1, fused_decoder.MAX_ROWS):
+        end = min(first + fused_decoder.MAX_ROWS, n - 1)
+        meta = build_attention_metadata([SequenceLayout(kv.block_tables["x"], first, end - first)], block, "cpu")
+        rows = torch.arange(min(max(first, start - 1), end), end) - first
+        out, _ = model(torch.tensor(tokens[first:end]), torch.arange(first, end), meta, kv, rows)
+        logits.append(out)
+    logprobs = torch.cat(logits).float().log_softmax(-1)
     target = torch.tensor(tokens[start:])
     return logprobs.gather(1, target[:, None])[:, 0], logprobs.argmax(-1)
 

@@ -8,7 +8,7 @@ and tree ancestors, SwiGLU and residuals, with fp32 activations. It computes the
 `LlamaModel`'s layers over the quantized weights (up to fp32 rounding), and each row the same way
 whatever else is in its batch (`decoder.c`).
 
-It applies (`applies`) where the model runs the integer-dot kernels on CPU on one rank, with a fp32 or
+It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU on one rank, with a fp32 or
 bf16 cache and head_dim a multiple of 8 up to 128; the model runs larger batches (`MAX_ROWS`) and every
 other configuration through its eager layers.
 """
@@ -22,6 +22,7 @@ import torch
 
 from kernels import integer_dot
 from kernels.dispatch import kernel_mode
+from kernels.quantized_linear import INTEGER_LAYOUTS
 
 if TYPE_CHECKING:
     from engines.attention import AttentionMetadata
@@ -37,7 +38,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _QWeight(ctypes.Structure):
-    _fields_ = [("codes", _p), ("scales", _p), ("mins", _p), ("n", _i64), ("k", _i64)]
+    _fields_ = [("codes", _p), ("scales", _p), ("mins", _p), *((f, _i64) for f in ("n", "k", "bits", "interleaved"))]
 
 
 class _Layer(ctypes.Structure):
@@ -76,7 +77,7 @@ class _Batch(ctypes.Structure):
 
 def _integer_dot_weight(linear: PackableLinear) -> bool:
     q = linear.quant
-    return q is not None and q.layout == "integer_dot" and linear.wide is None
+    return q is not None and q.layout in INTEGER_LAYOUTS and linear.wide is None
 
 
 def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
@@ -100,7 +101,9 @@ def _qweight(linear: PackableLinear) -> _QWeight:
     q = linear.quant
     assert q is not None
     mins = q.mins.data_ptr() if q.mins is not None else None
-    return _QWeight(q.data.data_ptr(), q.scales.data_ptr(), mins, q.out_features, q.in_features)
+    bits = 8 if q.kind == "int8" else 4
+    n, k = q.out_features, q.in_features
+    return _QWeight(q.data.data_ptr(), q.scales.data_ptr(), mins, n, k, bits, q.layout == "vnni")
 
 
 class FusedDecoder:

@@ -3,7 +3,9 @@
 PyTorch's weight-only CPU kernels widen every weight to float before multiplying. Like llama.cpp, this
 kernel instead quantizes the activations to int8 in blocks of 32 and multiplies them with the weights'
 codes as integers, so a step reads each weight byte once and does a quarter of the float work. The same
-library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c). The C sources are
+library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c) and, for CPUs with
+AVX512-VNNI, products over weights interleaved 16 output rows at a time (csrc/vnni.c), whose cost grows
+far less with the number of activation rows (verified draft trees, batches). The C sources are
 compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
 ~/.cache/lyanna-serve/kernels), keyed by the sources' hash; where there is no compiler, no AVX2/FMA, or
 the build fails, `available()` is False and the PyTorch kernels run instead.
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c", "vnni.c"))
 HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
 # No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined
 # copy of a row's code, and a row's result would then depend on how many rows it was computed with.
@@ -94,6 +96,10 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.decoder_forward.argtypes = [p, p, p, i32]
     lib.decoder_forward.restype = i32
+    lib.vnni_gemm.argtypes = [p, p, p, i32, i64, i64, p, p, p, i64, p, i32]
+    lib.vnni_gemm.restype = None
+    lib.vnni_supported.argtypes = []
+    lib.vnni_supported.restype = i32
     return lib
 
 
@@ -167,3 +173,69 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_dt
         out_dtype == torch.float32, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# ---- AVX512-VNNI: weights interleaved 16 output rows at a time (csrc/vnni.c) ----------------------------
+INTERLEAVE = 16  # output rows per block
+
+
+@functools.cache
+def vnni_supported() -> bool:
+    """Whether the kernel builds and this CPU has AVX512-F/BW/VNNI (then `vnni_matmul` runs)."""
+    lib = _library()
+    return lib is not None and bool(lib.vnni_supported())
+
+
+def interleave(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] (4-bit: uint8 in [0, 15]; 8-bit: int8) -> csrc/vnni.c's layout, flat uint8."""
+    n, k = codes.shape
+    blocks = n // INTERLEAVE
+    if bits == 8:
+        c = (codes.to(torch.int16) + 128).to(torch.uint8).view(blocks, INTERLEAVE, k // 4, 4)
+        return c.permute(0, 2, 1, 3).contiguous().view(-1)
+    c = codes.to(torch.uint8).view(blocks, INTERLEAVE, k // 8, 2, 4)
+    packed = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [blocks, 16, k / 8, 4]
+    return packed.permute(0, 2, 1, 3).contiguous().view(-1)
+
+
+def deinterleave(data: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
+    """Inverse of `interleave`: the codes [N, K] (8-bit as stored, q + 128, uint8)."""
+    blocks = n // INTERLEAVE
+    if bits == 8:
+        return data.view(blocks, k // 4, INTERLEAVE, 4).permute(0, 2, 1, 3).reshape(n, k)
+    p = data.view(blocks, k // 8, INTERLEAVE, 4).permute(0, 2, 1, 3)  # [blocks, 16, k / 8, 4]
+    return torch.stack([p & 0xF, p >> 4], dim=3).reshape(n, k)
+
+
+def interleave_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-(row, group) values [N, G] -> [N / 16, G, 16] (each block's 16 rows side by side), flat."""
+    n, g = values.shape
+    return values.view(n // INTERLEAVE, INTERLEAVE, g).transpose(1, 2).contiguous().view(-1)
+
+
+def deinterleave_groups(values: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `interleave_groups`: [N, G]."""
+    return values.view(n // INTERLEAVE, -1, INTERLEAVE).transpose(1, 2).reshape(n, -1)
+
+
+def vnni_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    n: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] for an interleaved weight (`interleave`, scales and mins from
+    `interleave_groups`, fp16; an 8-bit weight's mins are -128 * scales)."""
+    assert out_dtype in OUT_DTYPES
+    x = x.to(torch.bfloat16).contiguous()
+    rows, k = x.shape
+    xq, dx, sx = _quantized_activations(x)
+    out = torch.empty(rows, n, dtype=torch.float32)
+    library().vnni_gemm(
+        codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), bits, n, k, xq.data_ptr(), dx.data_ptr(),
+        sx.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

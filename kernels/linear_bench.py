@@ -4,8 +4,8 @@ For each row count (the tokens of one step: 1 for a decode, a few for a verifica
 prefill chunk), the 120 projections of the 30 layers and, separately, the LM head run under:
 - `bf16`: the dense weights, prepacked for oneDNN (quantization `none`);
 - `fp32`: dense fp32 copies (what CPUs without bf16 arithmetic use for GEMMs of many rows);
-- `<setting>/<layout>`: a quantized setting (`gguf`, `int8`, `int4`) packed for the `integer_dot` or
-  the `torch` layout (kernels/quantized_linear.py), called directly (no fp32 copy).
+- `<setting>/<layout>`: a quantized setting (`gguf`, `int8`, `int4`) packed for the `integer_dot`, `vnni`
+  (AVX512-VNNI CPUs) or `torch` layout (kernels/quantized_linear.py), called directly (no fp32 copy).
 Configurations are interleaved repetition by repetition and medians reported. One JSON line:
 milliseconds per configuration and row count. The thresholds in kernels/onednn_linear.py and
 kernels/quantized_linear.py (`WIDE_MIN_ROWS`) come from runs of this benchmark.
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels import integer_dot, onednn_linear
 from kernels.dispatch import set_kernel_mode
+from kernels.quantized_linear import INTEGER_LAYOUTS, relayout
 
 Linear = tuple[int, Callable[[torch.Tensor], torch.Tensor]]  # (input features, x -> x @ W.T)
 
@@ -50,6 +51,11 @@ def model_linears(setting: str, layout: str | None) -> tuple[list[Linear], Linea
         fns = [(m.weight.shape[1], lambda x, m=m: onednn_linear.linear(x, m.weight, m.packed)) for m in layers]
         packed = onednn_linear.prepack(head_weight)
         return fns, (head_weight.shape[1], lambda x: onednn_linear.linear(x, head_weight, packed))
+    if layout in INTEGER_LAYOUTS:
+        for m in [*layers, model]:
+            quant = m.quant if m is not model else model.lm_head_quant
+            if quant is not None and quant.layout in INTEGER_LAYOUTS:
+                setattr(m, "quant" if m is not model else "lm_head_quant", relayout(quant, layout))
     fns = [(m.quant.in_features, m.quant.matmul) for m in layers]
     head = model.lm_head_quant
     assert head is not None

@@ -4,10 +4,13 @@ An int4 weight is built from codes q in [0, 15] with, per (row, group), a scale 
 w = (q - 8) * s + z. That is exactly GGUF's Q4_0 (z = 0) and Q4_1 (w = q * d + m, so s = d and
 z = m + 8 d), which load without re-quantizing (engines/gguf_weights.py).
 
-Two layouts compute the products, both taking and returning bf16:
+Three layouts compute the products, all taking and returning bf16:
 - "integer_dot" (the default where it builds, kernels/integer_dot.py): int8 activations times the codes as
   integers, llama.cpp's way; int8 weights have a scale per group of 32 (GGUF's Q8_0); scales and
   minimums are fp16, as GGUF stores them.
+- "vnni" (the default on CPUs with AVX512-VNNI): the same numbers, with the codes interleaved 16 output
+  rows at a time for VNNI dot products, so a product of several activation rows costs little more than
+  one (weights whose output size is not a multiple of 16 keep "integer_dot").
 - "torch": PyTorch's own kernels (`_weight_int8pack_mm`, int8 per output channel;
   `_weight_int4pack_mm_for_cpu`, bf16 scales and zeros), which widen the weights to float (their
   fp32-activation paths are ~10x slower on an AVX2 CPU, measured). Kernel mode "torch" forces them.
@@ -26,17 +29,23 @@ GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 16  # PyTorch's CPU int4 packing takes output sizes divisible by 16
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 ACTIVATION_DTYPE = torch.bfloat16  # what the packed kernels take (and return)
-LAYOUTS = ("integer_dot", "torch")
+LAYOUTS = ("integer_dot", "vnni", "torch")
 # On a CPU without bf16 arithmetic (AVX2) fp32 GEMMs over the dequantized values beat the quantized kernels
 # from about this many rows; such CPUs keep an fp32 copy of the values for those GEMMs. Measured on the
 # embedded model's projections, 2 cores (`python -m kernels.bench --linears`): torch int4 98.6 ms vs fp32
 # 136 ms at 16 rows, 184 vs 174 at 32; integer-dot int4 120 vs 136 at 32 rows, 235 vs 204 at 64.
-WIDE_MIN_ROWS = {"integer_dot": 48, "torch": 24}
+# (VNNI CPUs without bf16 arithmetic were not measured; the VNNI kernel's cost per extra row is a fraction of
+# the AVX2 one's, so the copy is left to long prompt chunks there.)
+WIDE_MIN_ROWS = {"integer_dot": 48, "vnni": 256, "torch": 24}
+INTEGER_LAYOUTS = ("integer_dot", "vnni")  # the layouts of kernels/integer_dot.py
 
 
 def default_layout() -> str:
-    """ "integer_dot" where its kernel builds and the kernel mode is not "torch", else "torch"."""
-    return "integer_dot" if kernel_mode() != "torch" and integer_dot.available() else "torch"
+    """ "vnni" on AVX512-VNNI CPUs and "integer_dot" on others where the kernel builds and the kernel mode is
+    not "torch", else "torch"."""
+    if kernel_mode() == "torch" or not integer_dot.available():
+        return "torch"
+    return "vnni" if integer_dot.vnni_supported() else "integer_dot"
 
 
 @dataclass
@@ -83,12 +92,16 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     layout: str = "torch"
-    mins: torch.Tensor | None = None  # integer_dot int4: [N, K / group] fp16, w = q * scale + min
+    mins: torch.Tensor | None = None  # integer_dot int4: [N, K / group] fp16, w = q * scale + min; vnni: all
 
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype = ACTIVATION_DTYPE) -> torch.Tensor:
         """x [M, K] -> [M, N] in bf16, or in fp32 when asked (the integer-dot layout then skips the bf16
         rounding: logits)."""
         x = x.to(ACTIVATION_DTYPE)
+        if self.layout == "vnni":
+            assert self.mins is not None
+            bits = 8 if self.kind == "int8" else 4
+            return integer_dot.vnni_matmul(x, self.data, self.scales, self.mins, bits, self.out_features, out_dtype)
         if self.layout == "integer_dot":
             if self.kind == "int8":
                 return integer_dot.q8_matmul(x, self.data, self.scales, out_dtype)
@@ -124,11 +137,18 @@ def quantize_int8(weight: torch.Tensor, layout: str | None = None) -> QuantizedW
     layout = layout or default_layout()
     w = weight.float()
     n, k = w.shape
-    if layout == "integer_dot" and k % GROUP_SIZE == 0:
+    if layout == "vnni" and (k % GROUP_SIZE or n % integer_dot.INTERLEAVE):
+        layout = "integer_dot"
+    if layout in INTEGER_LAYOUTS and k % GROUP_SIZE == 0:
         groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
         scales = (groups.abs().amax(-1) / 127).clamp_min(1e-7).half().float()  # what the kernel reads
         q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
         scales = scales.to(integer_dot.SCALE_DTYPE).contiguous()
+        if layout == "vnni":
+            mins = integer_dot.interleave_groups((-128 * scales.float()).to(integer_dot.SCALE_DTYPE))
+            return QuantizedWeight(
+                "int8", integer_dot.interleave(q, 8), integer_dot.interleave_groups(scales), n, k, "vnni", mins
+            )
         return QuantizedWeight("int8", q.contiguous(), scales, n, k, "integer_dot")
     scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
     q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -149,10 +169,18 @@ def pack_int4(codes: Int4Codes, layout: str | None = None) -> QuantizedWeight:
     """Pack int4 codes for `layout` (the default layout when None; ValueError for an output size PyTorch's
     CPU packing does not take)."""
     n, k = codes.codes.shape
-    if (layout or default_layout()) == "integer_dot":
+    layout = layout or default_layout()
+    if layout == "vnni" and n % integer_dot.INTERLEAVE:
+        layout = "integer_dot"
+    if layout in INTEGER_LAYOUTS:
         half = integer_dot.SCALE_DTYPE
         scales = codes.scales.to(half).contiguous()
         mins = (codes.zeros.float() - 8 * codes.scales.float()).to(half).contiguous()
+        if layout == "vnni":
+            data = integer_dot.interleave(codes.codes, 4)
+            return QuantizedWeight(
+                "int4", data, integer_dot.interleave_groups(scales), n, k, "vnni", integer_dot.interleave_groups(mins)
+            )
         return QuantizedWeight("int4", integer_dot.pack_q4(codes.codes), scales, n, k, "integer_dot", mins)
     if n % INT4_ROW_MULTIPLE:
         raise ValueError(f"int4 packing needs a multiple of {INT4_ROW_MULTIPLE} output rows, not {n}")
@@ -166,11 +194,17 @@ def dequantized(weight: QuantizedWeight | Int4Codes, layout: str | None = None) 
     None), compute with: an fp32 model computes the quantized model's weights exactly with them. PyTorch's
     int4 layout rounds scales and zeros to bf16; the integer-dot layout holds scales and minimums in fp16."""
     if isinstance(weight, Int4Codes):
-        if (layout or default_layout()) == "integer_dot":
+        if (layout or default_layout()) in INTEGER_LAYOUTS:  # both hold the same fp16 scales and minimums
             return dequantized(pack_int4(weight, "integer_dot"))
         rounded = Int4Codes(weight.codes, *(t.to(ACTIVATION_DTYPE).float() for t in (weight.scales, weight.zeros)))
         return rounded.dequantize()
     n, k = weight.out_features, weight.in_features
+    if weight.layout == "vnni":
+        assert weight.mins is not None
+        bits = 8 if weight.kind == "int8" else 4
+        codes = integer_dot.deinterleave(weight.data, bits, n, k).float()
+        d, m = (integer_dot.deinterleave_groups(t, n).float() for t in (weight.scales, weight.mins))
+        return (codes.view(n, k // GROUP_SIZE, GROUP_SIZE) * d[..., None] + m[..., None]).view(n, k)
     if weight.layout == "integer_dot":
         codes = weight.data.float() if weight.kind == "int8" else integer_dot.unpack_q4(weight.data).float()
         values = codes.view(n, k // GROUP_SIZE, GROUP_SIZE) * weight.scales.float()[..., None]
@@ -187,3 +221,24 @@ def quantize(kind: str, weight: torch.Tensor, layout: str | None = None) -> Quan
     if not can_quantize(kind, weight):
         raise ValueError(f"cannot quantize a {tuple(weight.shape)} {weight.device.type} weight as {kind}")
     return quantize_int8(weight, layout) if kind == "int8" else pack_int4(int4_codes(weight), layout)
+
+
+def relayout(weight: QuantizedWeight, layout: str) -> QuantizedWeight:
+    """The same quantized weight (codes, scales and minimums unchanged) in the other integer layout
+    ("integer_dot" or "vnni"; where the output size does not take "vnni", it stays as it is)."""
+    assert weight.layout in INTEGER_LAYOUTS and layout in INTEGER_LAYOUTS
+    n, k, bits = weight.out_features, weight.in_features, 8 if weight.kind == "int8" else 4
+    if weight.layout == layout or (layout == "vnni" and n % integer_dot.INTERLEAVE):
+        return weight
+    if weight.layout == "vnni":  # -> rows
+        assert weight.mins is not None
+        codes = integer_dot.deinterleave(weight.data, bits, n, k)
+        scales = integer_dot.deinterleave_groups(weight.scales, n).contiguous()
+        if bits == 8:
+            return QuantizedWeight("int8", (codes.to(torch.int16) - 128).to(torch.int8), scales, n, k, "integer_dot")
+        mins = integer_dot.deinterleave_groups(weight.mins, n).contiguous()
+        return QuantizedWeight("int4", integer_dot.pack_q4(codes), scales, n, k, "integer_dot", mins)
+    codes = weight.data if bits == 8 else integer_dot.unpack_q4(weight.data)
+    mins = (-128 * weight.scales.float()).to(integer_dot.SCALE_DTYPE) if weight.mins is None else weight.mins
+    data, scales = integer_dot.interleave(codes, bits), integer_dot.interleave_groups(weight.scales)
+    return QuantizedWeight(weight.kind, data, scales, n, k, "vnni", integer_dot.interleave_groups(mins))

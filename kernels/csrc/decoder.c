@@ -17,12 +17,13 @@
 
 #include "integer_dot.h"
 
-/* A weight-only quantized [n, k] matrix in the integer-dot layout. */
+/* A weight-only quantized [n, k] matrix in the row layout (int4_gemm.c) or interleaved (vnni.c). */
 typedef struct {
-    const void *codes;      /* q4: [n, k / 2] uint8 (pack_q4); q8: [n, k] int8 */
-    const uint16_t *scales; /* [n, k / 32] fp16 */
-    const uint16_t *mins;   /* q4: [n, k / 32] fp16 (w = q * d + m); NULL for q8 */
-    int64_t n, k;
+    const void *codes;      /* rows: q4 [n, k / 2] uint8 (pack_q4), q8 [n, k] int8; interleaved: vnni.c */
+    const uint16_t *scales; /* [n, k / 32] fp16 (interleaved: per block of 16 rows and group) */
+    const uint16_t *mins;   /* [n, k / 32] fp16 (w = q * d + m); NULL for a q8 weight in the row layout */
+    int64_t n, k, bits;     /* bits: 4 or 8 */
+    int64_t interleaved;    /* 1: vnni.c's layout (AVX512-VNNI) */
 } QWeight;
 
 typedef struct {
@@ -65,12 +66,19 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, Blocks *a) {
 /* out [rows, n] fp32 = activations @ W.T, output rows split across the team (ends with a barrier). */
 static void project(const QWeight *w, const Blocks *a, int64_t rows, float *out) {
     const int64_t groups = w->k / GROUP, k = w->k, n = w->n;
+    if (w->interleaved) {
+        const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads(), blocks = n / 16;
+        vnni_blocks(w->codes, w->scales, w->mins, (int)w->bits, n, k, a->xq, a->dx, a->sx, rows, out,
+                    blocks * t / teams, blocks * (t + 1) / teams);
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
         for (int64_t r0 = 0; r0 < rows; r0 += 4) {
             const int R = rows - r0 < 4 ? (int)(rows - r0) : 4;
             float dots[4];
-            if (w->mins != NULL) {
+            if (w->bits == 4) {
                 const uint8_t *q = (const uint8_t *)w->codes + j * groups * 16;
 #define Q4(C) q4_row(q, w->scales + j * groups, w->mins + j * groups, groups, a->xq + r0 * k, a->dx + r0 * groups, \
                      a->sx + r0 * groups, k, C, dots)
@@ -87,15 +95,24 @@ static void project(const QWeight *w, const Blocks *a, int64_t rows, float *out)
     }
 }
 
-/* y = x / rms(x) * w for each row (one thread: a few rows of a few thousand values). */
+/* y = x / rms(x) * w for each row (dim a multiple of 8), rows split across the team. */
 static void rms_norm(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *y) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = xr[i] * inv * w[i];
+        __m256 squares = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), squares);
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(squares) / (float)dim + eps));
+        for (int64_t i = 0; i < dim; i += 8)
+            _mm256_storeu_ps(y + r * dim + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), _mm256_loadu_ps(w + i)));
     }
+}
+
+/* x += y over rows * dim values, split across the team. */
+static void add_rows(float *x, const float *y, int64_t rows, int64_t dim) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < dim; i++) x[r * dim + i] += y[r * dim + i];
 }
 
 /* Rotate one head in place: x[i] = x[i] cos[i] - x[i + h] sin[i], x[i + h] = x[i + h] cos[i + h] + x[i] sin[i + h]. */
@@ -265,7 +282,6 @@ int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
             for (int64_t t = 0; t < T; t++) key_counts[t] = token_keys(m, b, t, key_slots + t * keys);
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const Layer *layer = &m->layers[l];
-#pragma omp single
                 rms_norm(x, layer->input_norm, T, H, m->eps, h);
                 quantize_rows(h, T, H, &a);
                 project(&layer->qkv, &a, T, wide);
@@ -286,18 +302,14 @@ int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
                 }
                 quantize_rows(act, T, q_width, &a);
                 project(&layer->o, &a, T, h);
-#pragma omp single
-                {
-                    for (int64_t i = 0; i < T * H; i++) x[i] += h[i];
-                    rms_norm(x, layer->post_norm, T, H, m->eps, h);
-                }
+                add_rows(x, h, T, H);
+                rms_norm(x, layer->post_norm, T, H, m->eps, h);
                 quantize_rows(h, T, H, &a);
                 project(&layer->gate_up, &a, T, wide);
                 swiglu(wide, T, I, act);
                 quantize_rows(act, T, I, &a);
                 project(&layer->down, &a, T, h);
-#pragma omp single
-                for (int64_t i = 0; i < T * H; i++) x[i] += h[i];
+                add_rows(x, h, T, H);
             }
         }
     }

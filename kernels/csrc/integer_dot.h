@@ -33,19 +33,32 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One block of 32 values -> int8 codes xq, its scale (max|x| / 127) and scale * sum(xq). */
+/* One block of 32 values -> int8 codes xq = round(v / d) (to nearest even, as nearbyintf), its scale
+ * d = max|v| / 127 and d * sum(xq). */
 static inline void quantize_block(const float *v, int8_t *xq, float *dx, float *sx) {
-    float amax = 0.0f;
-    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < GROUP; i++) {
-        const int q = (int)nearbyintf(v[i] * inv);
-        xq[i] = (int8_t)q;
-        sum += q;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
     }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256i q[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inv))); /* MXCSR: nearest even */
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    /* int32 -> int8 (values within [-127, 127]); the packs interleave 128-bit lanes, the permute undoes it. */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)xq, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
     *dx = d;
-    *sx = d * (float)sum;
+    *sx = d * (float)_mm_cvtsi128_si32(s);
 }
 
 static inline __m128 load_half4(const uint16_t *p) { return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p)); }
@@ -150,5 +163,9 @@ static inline __attribute__((always_inline)) void q8_row(
     case 3: call(3); break;                                                             \
     default: call(4); break;                                                            \
     }
+
+/* vnni.c: blocks [b0, b1) of 16 output rows of an interleaved weight (AVX512-VNNI CPUs only). */
+void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                 const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
 
 #endif

@@ -21,10 +21,13 @@ from kernels.quantized_linear import (
     int4_codes,
     pack_int4,
     quantize,
+    quantize_int8,
+    relayout,
 )
 from tests.conftest import CHAT_PROMPTS
 
 needs_integer_dot = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
+needs_vnni = pytest.mark.skipif(not integer_dot.vnni_supported(), reason="no AVX512-VNNI CPU here")
 
 
 def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -102,7 +105,7 @@ def test_q4_0_and_q8_0_blocks(tmp_path):
         assert (ref - hf_dense).abs().mean() < 0.15
 
 
-LAYOUTS = ["torch", pytest.param("integer_dot", marks=needs_integer_dot)]
+LAYOUTS = ["torch", pytest.param("integer_dot", marks=needs_integer_dot), pytest.param("vnni", marks=needs_vnni)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -113,9 +116,13 @@ def test_quantized_linear_equals_its_dequantized_weight(kind, layout):
     q = quantize(kind, w, layout)
     assert q.layout == layout
     dense = int4_codes(w).dequantize() if kind == "int4" and layout == "torch" else dequantized(q)
-    if kind == "int4" and layout == "integer_dot":
+    if kind == "int4" and layout != "torch":
         codes = int4_codes(w)
-        assert torch.equal(integer_dot.unpack_q4(q.data), codes.codes)  # the codes as quantized
+        if layout == "integer_dot":
+            unpacked = integer_dot.unpack_q4(q.data)
+        else:
+            unpacked = integer_dot.deinterleave(q.data, 4, 192, 160)
+        assert torch.equal(unpacked, codes.codes)  # the codes as quantized
         torch.testing.assert_close(dense, codes.dequantize(), rtol=0, atol=3e-3)  # fp16 scales and minimums
     x = torch.randn(5, 160)
     got = q.matmul(x).float()
@@ -128,17 +135,19 @@ def test_quantized_linear_equals_its_dequantized_weight(kind, layout):
     assert q.nbytes < w.numel() * (1.2 if kind == "int8" else 0.8)  # bf16 would be 2 bytes a weight
 
 
-@needs_integer_dot
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_integer_dot_kernel_matches_its_definition(kind, rows):
-    """The C kernel equals its definition computed in fp64: activations quantized to int8 per block of 32,
-    integer sums per group, scaled; for every row count its row tiles and tails take, and group counts
-    that are and are not multiples of four (the kernel's vector steps)."""
+def test_integer_dot_kernel_matches_its_definition(kind, rows, layout):
+    """The C kernels equal their definition computed in fp64: activations quantized to int8 per block of
+    32, integer sums per group, scaled; for every row count their row tiles and tails take (1-4 rows
+    a tile in the row layout, 1-8 interleaved), and group counts that are and are not multiples of four
+    (the row layout's vector steps)."""
     torch.manual_seed(rows)
     for k in (4 * GROUP_SIZE, 7 * GROUP_SIZE):
         w = torch.randn(48, k)
-        q = quantize(kind, w, "integer_dot")
+        q = quantize(kind, w, layout)
+        assert q.layout == layout
         x = torch.randn(rows, k).bfloat16()
         xs = x.float().view(rows, -1, GROUP_SIZE)
         dx = xs.abs().amax(-1, keepdim=True) / 127  # fp32, as the kernel rounds it
@@ -147,6 +156,24 @@ def test_integer_dot_kernel_matches_its_definition(kind, rows):
         want = x_int @ dequantized(q).double().t()
         got = q.matmul(x).double()
         torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)  # bf16 output rounding
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_two_integer_layouts_hold_the_same_weight(kind):
+    """`relayout` moves a weight between the row and the interleaved layout exactly: the same values, and
+    products that differ only by the order the groups' scaled sums are added in."""
+    torch.manual_seed(1)
+    rows = quantize(kind, torch.randn(64, 224), "integer_dot")
+    inter = relayout(rows, "vnni")
+    assert inter.layout == "vnni" and torch.equal(dequantized(inter), dequantized(rows))
+    back = relayout(inter, "integer_dot")
+    assert all(torch.equal(getattr(back, f), getattr(rows, f)) for f in ("data", "scales"))
+    x = torch.randn(11, 224)
+    torch.testing.assert_close(inter.matmul(x, torch.float32), rows.matmul(x, torch.float32), rtol=1e-5, atol=1e-4)
+    w = torch.randn(40, 224)  # 40 rows: not blocks of 16, so the row layout
+    odd = quantize_int8(w, "vnni") if kind == "int8" else pack_int4(int4_codes(w), "vnni")
+    assert odd.layout == "integer_dot" and relayout(odd, "vnni") is odd
 
 
 def test_int4_codes_slice_on_groups_only():

@@ -15,10 +15,11 @@ from engines.model import LlamaModel
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from kernels import dispatch, fused_decoder, integer_dot
-from kernels.quantized_linear import GROUP_SIZE, dequantized
+from kernels.quantized_linear import GROUP_SIZE, dequantized, quantize
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
+needs_vnni = pytest.mark.skipif(not integer_dot.vnni_supported(), reason="no AVX512-VNNI CPU here")
 
 BLOCK = 4
 
@@ -179,25 +180,17 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(row[0], batch[1 + node]), f"depth {depth}"
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_an_integer_dot_row_does_not_depend_on_the_rows_beside_it(kind):
-    """Each output row of the projections equals that row computed alone, for 1 to 9 rows (tiles of 1-4),
-    with 18 groups of 32 (the four-group loop and its tail)."""
+@pytest.mark.parametrize("layout", ["integer_dot", pytest.param("vnni", marks=needs_vnni)])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_an_integer_dot_row_does_not_depend_on_the_rows_beside_it(kind, layout):
+    """Each output row of the projections equals that row computed alone, for 1 to 17 rows (tiles of 1-4
+    rows in the row layout, 1-8 interleaved), with 18 groups of 32 (the four-group loop and its tail)."""
     torch.manual_seed(0)
-    n, k = 64, 576
-    codes = integer_dot.pack_q4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
-    signed = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    scales, mins = (torch.rand(n, k // 32) * 0.1).half(), (torch.randn(n, k // 32) * 0.1).half()
-
-    def matmul(x):
-        if kind == "q4":
-            return integer_dot.q4_matmul(x, codes, scales, mins, torch.float32)
-        return integer_dot.q8_matmul(x, signed, scales, torch.float32)
-
-    x = torch.randn(9, k).bfloat16()
-    alone = torch.cat([matmul(x[r : r + 1]) for r in range(9)])
-    for rows in range(1, 10):
-        assert torch.equal(matmul(x[:rows]), alone[:rows]), rows
+    weight = quantize(kind, torch.randn(64, 576), layout)
+    x = torch.randn(17, 576).bfloat16()
+    alone = torch.cat([weight.matmul(x[r : r + 1], torch.float32) for r in range(17)])
+    for rows in range(1, 18):
+        assert torch.equal(weight.matmul(x[:rows], torch.float32), alone[:rows]), rows
 
 
 def test_where_it_applies():

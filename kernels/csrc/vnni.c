@@ -1,0 +1,116 @@
+/* Integer-dot matrix products on CPUs with AVX512-VNNI, for weights interleaved 16 output rows at a time.
+ *
+ * The row layout of int4_gemm.c takes one weight row at a time, and each of its groups costs several
+ * instructions per activation row (widening products, horizontal sums, scaling), so a few activation
+ * rows (a verified draft tree, a short prefill chunk, a batch of decodes) cost several times one. Here
+ * one vpdpbusd multiplies 4 consecutive inputs of 16 output rows with 4 int8 activations broadcast to
+ * every lane (64 products), so the weights of a block of 16 rows are unpacked once and used for up to
+ * 8 activation rows held in registers.
+ *
+ * Layout of an [n, k] weight (n a multiple of 16, k of 32), block b = rows 16 b .. 16 b + 15:
+ *   4-bit: per block and pair of 4-input steps p (inputs 8 p .. 8 p + 7), 64 bytes: byte 4 r + i holds
+ *          input 8 p + i of row r in its low nibble and input 8 p + 4 + i in its high nibble;
+ *   8-bit: per block and 4-input step s, 64 bytes: byte 4 r + i holds input 4 s + i of row r, as q + 128;
+ *   scales d and minimums m: per block and group of 32 inputs, 16 fp16 values (w = code * d + m; an 8-bit
+ *          weight's m is -128 d).
+ * Activations are the same int8 blocks as int4_gemm.c's. A group's product is exact in int32 and scaled
+ * once per group and activation row; every activation row is computed in the same order whatever the
+ * other rows are.
+ */
+#include <omp.h>
+
+#include "integer_dot.h"
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma")))
+#define ROWS 8 /* activation rows per register tile */
+
+static inline VNNI __m512i dot4(__m512i acc, __m512i w, const int8_t *x) {
+    int32_t four;
+    memcpy(&four, x, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(four));
+}
+
+/* One block of 16 output rows against R activation rows (R a constant at each call). */
+static inline VNNI __attribute__((always_inline)) void block_rows(
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t groups, const int8_t *xq,
+    const float *dx, const float *sx, int64_t k, int R, float *out, int64_t out_stride) {
+    __m512 acc[ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i dots[ROWS];
+        for (int r = 0; r < R; r++) dots[r] = _mm512_setzero_si512();
+        if (bits == 4) {
+            const uint8_t *w = codes + g * 256;
+            for (int p = 0; p < 4; p++) {
+                const __m512i packed = _mm512_loadu_si512((const void *)(w + 64 * p));
+                const __m512i lo = _mm512_and_si512(packed, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + r * k + g * GROUP + 8 * p;
+                    dots[r] = dot4(dot4(dots[r], lo, x), hi, x + 4);
+                }
+            }
+        } else {
+            const uint8_t *w = codes + g * 512;
+            for (int s = 0; s < 8; s++) {
+                const __m512i wv = _mm512_loadu_si512((const void *)(w + 64 * s));
+                for (int r = 0; r < R; r++) dots[r] = dot4(dots[r], wv, xq + r * k + g * GROUP + 4 * s);
+            }
+        }
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + g * 16)));
+        const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g * 16)));
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * out_stride, acc[r]);
+}
+
+#define VNNI_TILE(call)                                                                 \
+    switch (R) {                                                                        \
+    case 1: call(1); break;                                                             \
+    case 2: call(2); break;                                                             \
+    case 3: call(3); break;                                                             \
+    case 4: call(4); break;                                                             \
+    case 5: call(5); break;                                                             \
+    case 6: call(6); break;                                                             \
+    case 7: call(7); break;                                                             \
+    default: call(8); break;                                                            \
+    }
+
+/* Blocks [b0, b1) of out [rows, n] fp32 = activations @ W.T (W interleaved, `bits` 4 or 8). */
+VNNI void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                      const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
+                      int64_t b1) {
+    const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8;
+    for (int64_t b = b0; b < b1; b++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+            const int R = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+#define BLOCK(C) block_rows(codes + b * block_bytes, d + b * groups * 16, m + b * groups * 16, bits, groups, \
+                            xq + r0 * k, dx + r0 * groups, sx + r0 * groups, k, C, out + r0 * n + 16 * b, n)
+            VNNI_TILE(BLOCK)
+#undef BLOCK
+        }
+    }
+}
+
+/* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads. */
+void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+               const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads) {
+    const int64_t blocks = n / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads();
+        vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, blocks * t / teams, blocks * (t + 1) / teams);
+    }
+}
+
+/* Whether this CPU runs the kernels above. */
+int vnni_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
