@@ -8,9 +8,9 @@ and tree ancestors, SwiGLU and residuals, with fp32 activations. It computes the
 `LlamaModel`'s layers over the quantized weights (up to fp32 rounding), and each row the same way
 whatever else is in its batch (`decoder.c`).
 
-It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU on one rank, with a fp32 or
-bf16 cache and head_dim a multiple of 8 up to 128; the model runs larger batches (`MAX_ROWS`) and every
-other configuration through its eager layers.
+It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU on one rank,
+with an fp32 or bf16 cache, head_dim a multiple of 8 up to 128 and at most 16 query heads per KV head;
+the model runs larger steps (`MAX_ROWS`) and every other configuration through its eager layers.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _Batch(ctypes.Structure):
 
 def _integer_dot_weight(linear: PackableLinear) -> bool:
     q = linear.quant
-    return q is not None and q.layout in INTEGER_LAYOUTS and linear.wide is None
+    return q is not None and q.layout in INTEGER_LAYOUTS  # (an fp32 `wide` copy serves only >= 48 rows)
 
 
 def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
@@ -92,6 +92,7 @@ def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
         and model.tp.world_size == 1
         and cfg.head_dim % 8 == 0
         and cfg.head_dim <= 128
+        and cfg.num_heads // cfg.num_kv_heads <= 16
         and integer_dot.available()
         and all(_integer_dot_weight(lin) for lin in linears)
     )

@@ -177,41 +177,59 @@ static inline void store_partial(float *p, int64_t n, __m256 x) {
     for (int i = 0; i < n; i++) p[i] = v[i];
 }
 
-/* One query head of one token over its keys (slots[0..n) in sequence order): softmax(q.K * scale) V. */
-static void attend(const float *q, const Decoder *m, const Layer *layer, int64_t kv_head, const int64_t *slots,
-                   int64_t n, float *scores, float *out) {
+/* The query heads q[0..heads) (head_dim apart) that share one KV head, of one token, over its keys
+ * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. K and V rows are read once for
+ * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n]. */
+static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
+                   const int64_t *slots, int64_t n, float *scores, float *out) {
     const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
     const int bf16 = (int)m->cache_bf16;
-    float best = -INFINITY;
+    float best[16]; /* heads per KV head <= 16 */
+    for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
+        __m256 key[16]; /* head_dim <= 128 */
         const int64_t at = slots[j] * row + kv_head * dim;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(layer->k_cache, at + i, bf16), acc);
-        scores[j] = hsum(acc) * m->scale;
-        best = fmaxf(best, scores[j]);
+        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, bf16);
+        for (int64_t h = 0; h < heads; h++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < dim / 8; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + 8 * i), key[i], acc);
+            const float s = hsum(acc) * m->scale;
+            scores[h * n + j] = s;
+            best[h] = fmaxf(best[h], s);
+        }
     }
-    __m256 sums = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
-        const int64_t left = n - j;
-        const __m256 s = left >= 8 ? _mm256_loadu_ps(scores + j) : load_partial(scores + j, left, -INFINITY);
-        const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(best))),
-                                       _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-        if (left >= 8)
-            _mm256_storeu_ps(scores + j, p);
-        else
-            store_partial(scores + j, left, p);
-        sums = _mm256_add_ps(sums, p);
+    float total[16];
+    for (int64_t h = 0; h < heads; h++) {
+        float *sc = scores + h * n;
+        __m256 sums = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) {
+            const int64_t left = n - j;
+            const __m256 s = left >= 8 ? _mm256_loadu_ps(sc + j) : load_partial(sc + j, left, -INFINITY);
+            const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(best[h]))),
+                                           _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+            if (left >= 8)
+                _mm256_storeu_ps(sc + j, p);
+            else
+                store_partial(sc + j, left, p);
+            sums = _mm256_add_ps(sums, p);
+        }
+        total[h] = hsum(sums);
+        for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
     }
-    const float total = hsum(sums);
-    __m256 acc[16]; /* head_dim <= 128 */
-    for (int64_t i = 0; i < dim / 8; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        __m256 value[16];
         const int64_t at = slots[j] * row + kv_head * dim;
-        const __m256 p = _mm256_set1_ps(scores[j]);
-        for (int64_t i = 0; i < dim / 8; i++) acc[i] = _mm256_fmadd_ps(p, load8(layer->v_cache, at + 8 * i, bf16), acc[i]);
+        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, bf16);
+        for (int64_t h = 0; h < heads; h++) {
+            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
+            float *o = out + h * dim;
+            for (int64_t i = 0; i < dim / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(p, value[i], _mm256_loadu_ps(o + 8 * i)));
+        }
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int64_t i = 0; i < dim / 8; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+    for (int64_t h = 0; h < heads; h++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / total[h]);
+        for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + h * dim + i, _mm256_mul_ps(_mm256_loadu_ps(out + h * dim + i), inv));
+    }
 }
 
 /* The sequence of token t and its keys' cache slots, in sequence order; returns how many. */
@@ -271,13 +289,13 @@ int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
     float *act = malloc(sizeof(float) * T * widest);                            /* attention, SwiGLU */
     Blocks a = {malloc(T * widest), malloc(sizeof(float) * T * widest / GROUP), malloc(sizeof(float) * T * widest / GROUP)};
     int64_t *key_slots = malloc(sizeof(int64_t) * T * keys), *key_counts = malloc(sizeof(int64_t) * T);
-    float *scores = malloc(sizeof(float) * threads * keys);
+    const int64_t group = m->num_heads / m->num_kv_heads;
+    float *scores = malloc(sizeof(float) * threads * group * keys);
     const int failed = !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots || !key_counts || !scores;
     if (!failed) {
-        const int64_t group = m->num_heads / m->num_kv_heads;
 #pragma omp parallel num_threads(threads)
         {
-            float *my_scores = scores + omp_get_thread_num() * keys;
+            float *my_scores = scores + omp_get_thread_num() * group * keys;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++) key_counts[t] = token_keys(m, b, t, key_slots + t * keys);
             for (int64_t l = 0; l < m->num_layers; l++) {
@@ -294,11 +312,11 @@ int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
                     store_row(layer->v_cache, b->slots[t] * kv_width, row + q_width + kv_width, kv_width,
                               (int)m->cache_bf16);
                 }
-#pragma omp for schedule(static)
-                for (int64_t task = 0; task < T * m->num_heads; task++) {
-                    const int64_t t = task / m->num_heads, head = task % m->num_heads;
-                    attend(wide + t * qkv_width + head * D, m, layer, head / group, key_slots + t * keys,
-                           key_counts[t], my_scores, act + t * q_width + head * D);
+#pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
+                for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
+                    const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
+                    attend(wide + t * qkv_width + kv_head * group * D, group, m, layer, kv_head, key_slots + t * keys,
+                           key_counts[t], my_scores, act + t * q_width + kv_head * group * D);
                 }
                 quantize_rows(act, T, q_width, &a);
                 project(&layer->o, &a, T, h);

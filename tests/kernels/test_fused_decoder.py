@@ -15,7 +15,7 @@ from engines.model import LlamaModel
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from kernels import dispatch, fused_decoder, integer_dot
-from kernels.quantized_linear import GROUP_SIZE, dequantized, quantize
+from kernels.quantized_linear import GROUP_SIZE, dequantized, quantize, relayout
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
@@ -24,7 +24,7 @@ needs_vnni = pytest.mark.skipif(not integer_dot.vnni_supported(), reason="no AVX
 BLOCK = 4
 
 
-def tiny_model(seed: int = 0) -> LlamaModel:
+def tiny_model(seed: int = 0, layout: str | None = None) -> LlamaModel:
     """A random bf16 Llama (4 query / 2 KV heads of 16; 5 and 7 groups of 32 in, so the kernels run both
     their four-group loop and its tail) with int4 attention and int8 MLP weights."""
     torch.manual_seed(seed)
@@ -41,6 +41,9 @@ def tiny_model(seed: int = 0) -> LlamaModel:
         layer.attn.o_proj.quantize("int4")
         layer.mlp.gate_up_proj.quantize("int8")
         layer.mlp.down_proj.quantize("int8")
+        if layout is not None:
+            for lin in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.quant = relayout(lin.quant, layout)
     return model
 
 
@@ -113,9 +116,14 @@ def positions_of(seqs: list[SequenceLayout]) -> torch.Tensor:
     return torch.tensor(pos)
 
 
+LAYOUTS = ["integer_dot", pytest.param("vnni", marks=needs_vnni)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtype):
-    model = tiny_model()
+def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtype, layout):
+    model = tiny_model(layout=layout)
+    assert model.layers[0].attn.qkv_proj.quant.layout == layout
     kv = PagedKVCache(2, 2, 16, 64, BLOCK, cache_dtype, "cpu")
     seqs = ragged_batch(kv)
     meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
@@ -142,10 +150,11 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
             assert torch.equal(got[layer][rest], want[layer][rest])
 
 
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_row_does_not_depend_on_its_batch(layout):
     """A tree node's output equals decoding its path token by token, and a decode row alone equals the
     same row in a mixed batch: bit for bit."""
-    model = tiny_model(1)
+    model = tiny_model(1, layout)
     kv = PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu")
     seqs = ragged_batch(kv)
     meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
@@ -180,7 +189,7 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(row[0], batch[1 + node]), f"depth {depth}"
 
 
-@pytest.mark.parametrize("layout", ["integer_dot", pytest.param("vnni", marks=needs_vnni)])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_an_integer_dot_row_does_not_depend_on_the_rows_beside_it(kind, layout):
     """Each output row of the projections equals that row computed alone, for 1 to 17 rows (tiles of 1-4
@@ -213,12 +222,19 @@ def test_where_it_applies():
 
 
 @pytest.mark.slow
-def test_speculation_is_lossless_in_the_served_configuration():
-    """The embedded model as served (bf16, the GGUF's int4 blocks, the fused decoder): with Lyanna trees,
-    greedy and seeded outputs equal plain decoding's, in one batch, because a verified row computes
-    exactly what decoding it would."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_speculation_is_lossless_in_the_served_configuration(layout):
+    """The embedded model as served (bf16, the GGUF's int4 blocks, the fused decoder; each integer layout
+    this CPU runs): with Lyanna trees, greedy and seeded outputs equal plain decoding's, in one batch,
+    because a verified row computes exactly what decoding it would."""
     engine = LLMEngine(EngineConfig(num_kv_blocks=256, spec=SpecParams(depth=3, width=2, budget=6)))
-    assert engine.quantization == "gguf" and engine.model.fused_decoder(engine.kv_cache, 8) is not None
+    model = engine.model
+    for lin in model.modules():
+        if getattr(lin, "quant", None) is not None:
+            lin.quant = relayout(lin.quant, layout)
+    model.lm_head_quant = relayout(model.lm_head_quant, layout)
+    model._fused = None  # built again over the relaid weights
+    assert engine.quantization == "gguf" and model.fused_decoder(engine.kv_cache, 8) is not None
     off = SpecParams(enabled=False)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
