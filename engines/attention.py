@@ -76,7 +76,7 @@ class AttentionMetadata:
     block_size: int = 16
     tree_masks: torch.Tensor | None = None  # [T, words] int32 ancestor bitmasks of tree tokens; None: no tree
     is_tree: torch.Tensor | None = None  # [B] int32, 1 where the sequence's new tokens are a tree
-    parents: torch.Tensor | None = None  # [T] int32 parent of each new token among its sequence's (-1: none)
+    parents: torch.Tensor | None = None  # [T] int32 parent of each new token among its sequence's (-1: none); CPU
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -226,7 +226,6 @@ def build_attention_metadata(
     groups = []
     if cpu_groups and not triton:
         groups = [_group(seqs, members, starts, block_size) for members in plan_groups(seqs)]
-    parents = [p for s in seqs for p in (s.tree_parents if s.tree_parents is not None else range(-1, s.num_new - 1))]
     tree_masks = is_tree = None
     trees = [s for s in seqs if s.tree_parents is not None]
     if triton and trees:
@@ -261,8 +260,13 @@ def build_attention_metadata(
         block_size=block_size,
         tree_masks=tree_masks,
         is_tree=is_tree,
-        parents=torch.tensor(parents, dtype=torch.int32).to(**to),
+        parents=None if triton else torch.tensor(_flat_parents(seqs), dtype=torch.int32),
     )
+
+
+def _flat_parents(seqs: list[SequenceLayout]) -> list[int]:
+    """Each new token's parent among its sequence's new tokens (-1: none; a causal run is a chain)."""
+    return [p for s in seqs for p in (s.tree_parents if s.tree_parents is not None else range(-1, s.num_new - 1))]
 
 
 def paged_attention(

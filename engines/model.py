@@ -209,7 +209,8 @@ class LlamaModel(nn.Module):
         self.lm_head_quant: QuantizedWeight | None = None  # the LM head's own quantized copy (see `quantize`)
         self.lm_head_exact: torch.Tensor | None = None  # fp32 models: its dequantized values instead
         self.compute_dtype = dtype  # of the residual stream and the norms (see `compute_in`)
-        self._fused: fused_decoder.FusedDecoder | None = None  # built on first use (see `fused_decoder`)
+        # (the cache's K tensor, its fused decoder or None where none applies), decided on first use
+        self._fused: tuple[torch.Tensor, fused_decoder.FusedDecoder | None] | None = None
         self.enforce_eager = False  # True: always the eager layers (no fused CPU decoder)
 
     def compute_in(self, dtype: torch.dtype) -> None:
@@ -309,9 +310,10 @@ class LlamaModel(nn.Module):
         `kv_cache`, where it applies; None: the eager layers run."""
         if self.enforce_eager or not 0 < num_tokens <= fused_decoder.MAX_ROWS:
             return None
-        if self._fused is None or not self._fused.serves(kv_cache):
-            self._fused = fused_decoder.FusedDecoder(self, kv_cache) if fused_decoder.applies(self, kv_cache) else None
-        return self._fused
+        if self._fused is None or self._fused[0] is not kv_cache.k:
+            fused = fused_decoder.FusedDecoder(self, kv_cache) if fused_decoder.applies(self, kv_cache) else None
+            self._fused = (kv_cache.k, fused)
+        return self._fused[1]
 
     @torch.inference_mode()
     def forward(

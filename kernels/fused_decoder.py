@@ -102,9 +102,8 @@ def _qweight(linear: PackableLinear) -> _QWeight:
     q = linear.quant
     assert q is not None
     mins = q.mins.data_ptr() if q.mins is not None else None
-    bits = 8 if q.kind == "int8" else 4
     n, k = q.out_features, q.in_features
-    return _QWeight(q.data.data_ptr(), q.scales.data_ptr(), mins, n, k, bits, q.layout == "vnni")
+    return _QWeight(q.data.data_ptr(), q.scales.data_ptr(), mins, n, k, q.bits, q.layout == "vnni")
 
 
 class FusedDecoder:
@@ -134,7 +133,7 @@ class FusedDecoder:
             )
         self._layers = (_Layer * len(layers))(*layers)
         self._model = model  # keeps the quantized weights alive
-        self._cache = (kv_cache.k, kv_cache.v)
+        self._cache = (kv_cache.k, kv_cache.v)  # keeps the cache the layers point into alive
         self._decoder = _Decoder(
             num_layers=cfg.num_layers,
             hidden=cfg.hidden_size,
@@ -150,10 +149,6 @@ class FusedDecoder:
             sin=self._tensors[1].data_ptr(),
             layers=self._layers,
         )
-
-    def serves(self, kv_cache: PagedKVCache) -> bool:
-        """Whether this decoder was built over `kv_cache`'s tensors."""
-        return self._cache[0] is kv_cache.k and self._cache[1] is kv_cache.v
 
     def __call__(
         self,

@@ -130,8 +130,7 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lib = _library()
-    assert lib is not None, "the integer-dot kernel is not available (check available() first)"
+    lib = library()
     rows, k = x.shape
     xq = torch.empty(rows, k, dtype=torch.int8)
     dx = torch.empty(rows, k // GROUP)
@@ -153,7 +152,7 @@ def q4_matmul(
     (rows, k), n = x.shape, packed.shape[0]
     xq, dx, sx = _quantized_activations(x)
     out = torch.empty(rows, n, dtype=out_dtype)
-    _library().q4_gemm(  # type: ignore[union-attr]
+    library().q4_gemm(
         packed.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, xq.data_ptr(), dx.data_ptr(),
         sx.data_ptr(), rows, out.data_ptr(), out_dtype == torch.float32, torch.get_num_threads(),
     )  # fmt: skip
@@ -168,7 +167,7 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_dt
     (rows, k), n = x.shape, codes.shape[0]
     xq, dx, _ = _quantized_activations(x)
     out = torch.empty(rows, n, dtype=out_dtype)
-    _library().q8_gemm(  # type: ignore[union-attr]
+    library().q8_gemm(
         codes.data_ptr(), scales.data_ptr(), n, k, xq.data_ptr(), dx.data_ptr(), rows, out.data_ptr(),
         out_dtype == torch.float32, torch.get_num_threads(),
     )  # fmt: skip

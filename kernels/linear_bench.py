@@ -51,11 +51,10 @@ def model_linears(setting: str, layout: str | None) -> tuple[list[Linear], Linea
         fns = [(m.weight.shape[1], lambda x, m=m: onednn_linear.linear(x, m.weight, m.packed)) for m in layers]
         packed = onednn_linear.prepack(head_weight)
         return fns, (head_weight.shape[1], lambda x: onednn_linear.linear(x, head_weight, packed))
-    if layout in INTEGER_LAYOUTS:
-        for m in [*layers, model]:
-            quant = m.quant if m is not model else model.lm_head_quant
-            if quant is not None and quant.layout in INTEGER_LAYOUTS:
-                setattr(m, "quant" if m is not model else "lm_head_quant", relayout(quant, layout))
+    if layout in INTEGER_LAYOUTS and model.lm_head_quant is not None and model.lm_head_quant.layout in INTEGER_LAYOUTS:
+        for m in layers:
+            m.quant = relayout(m.quant, layout)
+        model.lm_head_quant = relayout(model.lm_head_quant, layout)
     fns = [(m.quant.in_features, m.quant.matmul) for m in layers]
     head = model.lm_head_quant
     assert head is not None

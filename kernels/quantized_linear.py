@@ -94,14 +94,19 @@ class QuantizedWeight:
     layout: str = "torch"
     mins: torch.Tensor | None = None  # integer_dot int4: [N, K / group] fp16, w = q * scale + min; vnni: all
 
+    @property
+    def bits(self) -> int:
+        """Bits per code: 8 for int8, 4 for int4."""
+        return 8 if self.kind == "int8" else 4
+
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype = ACTIVATION_DTYPE) -> torch.Tensor:
         """x [M, K] -> [M, N] in bf16, or in fp32 when asked (the integer-dot layout then skips the bf16
         rounding: logits)."""
         x = x.to(ACTIVATION_DTYPE)
         if self.layout == "vnni":
             assert self.mins is not None
-            bits = 8 if self.kind == "int8" else 4
-            return integer_dot.vnni_matmul(x, self.data, self.scales, self.mins, bits, self.out_features, out_dtype)
+            n = self.out_features
+            return integer_dot.vnni_matmul(x, self.data, self.scales, self.mins, self.bits, n, out_dtype)
         if self.layout == "integer_dot":
             if self.kind == "int8":
                 return integer_dot.q8_matmul(x, self.data, self.scales, out_dtype)
@@ -137,19 +142,12 @@ def quantize_int8(weight: torch.Tensor, layout: str | None = None) -> QuantizedW
     layout = layout or default_layout()
     w = weight.float()
     n, k = w.shape
-    if layout == "vnni" and (k % GROUP_SIZE or n % integer_dot.INTERLEAVE):
-        layout = "integer_dot"
     if layout in INTEGER_LAYOUTS and k % GROUP_SIZE == 0:
         groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
         scales = (groups.abs().amax(-1) / 127).clamp_min(1e-7).half().float()  # what the kernel reads
         q = (groups / scales[..., None]).round().clamp(-127, 127).to(torch.int8).view(n, k)
         scales = scales.to(integer_dot.SCALE_DTYPE).contiguous()
-        if layout == "vnni":
-            mins = integer_dot.interleave_groups((-128 * scales.float()).to(integer_dot.SCALE_DTYPE))
-            return QuantizedWeight(
-                "int8", integer_dot.interleave(q, 8), integer_dot.interleave_groups(scales), n, k, "vnni", mins
-            )
-        return QuantizedWeight("int8", q.contiguous(), scales, n, k, "integer_dot")
+        return relayout(QuantizedWeight("int8", q.contiguous(), scales, n, k, "integer_dot"), layout)
     scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
     q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
     return QuantizedWeight("int8", q.contiguous(), scales.to(ACTIVATION_DTYPE), n, k)
@@ -170,18 +168,12 @@ def pack_int4(codes: Int4Codes, layout: str | None = None) -> QuantizedWeight:
     CPU packing does not take)."""
     n, k = codes.codes.shape
     layout = layout or default_layout()
-    if layout == "vnni" and n % integer_dot.INTERLEAVE:
-        layout = "integer_dot"
     if layout in INTEGER_LAYOUTS:
         half = integer_dot.SCALE_DTYPE
         scales = codes.scales.to(half).contiguous()
         mins = (codes.zeros.float() - 8 * codes.scales.float()).to(half).contiguous()
-        if layout == "vnni":
-            data = integer_dot.interleave(codes.codes, 4)
-            return QuantizedWeight(
-                "int4", data, integer_dot.interleave_groups(scales), n, k, "vnni", integer_dot.interleave_groups(mins)
-            )
-        return QuantizedWeight("int4", integer_dot.pack_q4(codes.codes), scales, n, k, "integer_dot", mins)
+        rows = QuantizedWeight("int4", integer_dot.pack_q4(codes.codes), scales, n, k, "integer_dot", mins)
+        return relayout(rows, layout)
     if n % INT4_ROW_MULTIPLE:
         raise ValueError(f"int4 packing needs a multiple of {INT4_ROW_MULTIPLE} output rows, not {n}")
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32).contiguous(), 2)
@@ -201,8 +193,7 @@ def dequantized(weight: QuantizedWeight | Int4Codes, layout: str | None = None) 
     n, k = weight.out_features, weight.in_features
     if weight.layout == "vnni":
         assert weight.mins is not None
-        bits = 8 if weight.kind == "int8" else 4
-        codes = integer_dot.deinterleave(weight.data, bits, n, k).float()
+        codes = integer_dot.deinterleave(weight.data, weight.bits, n, k).float()
         d, m = (integer_dot.deinterleave_groups(t, n).float() for t in (weight.scales, weight.mins))
         return (codes.view(n, k // GROUP_SIZE, GROUP_SIZE) * d[..., None] + m[..., None]).view(n, k)
     if weight.layout == "integer_dot":
@@ -227,7 +218,7 @@ def relayout(weight: QuantizedWeight, layout: str) -> QuantizedWeight:
     """The same quantized weight (codes, scales and minimums unchanged) in the other integer layout
     ("integer_dot" or "vnni"; where the output size does not take "vnni", it stays as it is)."""
     assert weight.layout in INTEGER_LAYOUTS and layout in INTEGER_LAYOUTS
-    n, k, bits = weight.out_features, weight.in_features, 8 if weight.kind == "int8" else 4
+    n, k, bits = weight.out_features, weight.in_features, weight.bits
     if weight.layout == layout or (layout == "vnni" and n % integer_dot.INTERLEAVE):
         return weight
     if weight.layout == "vnni":  # -> rows

@@ -282,7 +282,7 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a 
 int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
     const int64_t T = b->num_tokens, H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t q_width = m->num_heads * D, kv_width = m->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
-    const int64_t keys = max_keys(b) > 0 ? max_keys(b) : 1, widest = max3(H, q_width, I);
+    const int64_t most_keys = max_keys(b), keys = most_keys > 0 ? most_keys : 1, widest = max3(H, q_width, I);
     if (threads < 1) threads = 1;
     float *h = malloc(sizeof(float) * T * H);                                   /* norms, o and down outputs */
     float *wide = malloc(sizeof(float) * T * (qkv_width > 2 * I ? qkv_width : 2 * I)); /* qkv, gate_up */
