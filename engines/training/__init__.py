@@ -1,1 +1,2 @@
-"""Drafter training: data preparation (data.py); training loops come with the drafters that need them."""
+"""Drafter training: data (data.py), target features (features.py), the loop (train_drafter.py), Ray Train
+workers (ray_train.py), curves and model card (report.py), and the command tying them (pipeline.py)."""

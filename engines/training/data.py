@@ -84,6 +84,72 @@ def sharegpt_examples(
                 yield ex
 
 
+def chat_file_examples(
+    tokenizer: Tokenizer, path: str | Path, split: str, max_len: int = 1024, val_fraction: float = 0.02
+) -> Iterator[Example]:
+    """A user's chats, one JSON object per line: {"messages": [{"role", "content"}, ...]} (OpenAI) or
+    {"conversations": [{"from", "value"}, ...]} (ShareGPT), with an optional "id" (else the line number)."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if "messages" in rec:
+                msgs = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+            elif "conversations" in rec:
+                msgs = sharegpt_messages(rec)
+            else:
+                raise ValueError(f"{path}:{n}: a chat needs 'messages' or 'conversations'")
+            conv_id = str(rec.get("id", f"line{n}"))
+            if split_of(conv_id, val_fraction) != split or not any(m["role"] == "assistant" for m in msgs):
+                continue
+            ex = render(tokenizer, conv_id, msgs, max_len)
+            if ex is not None:
+                yield ex
+
+
+class ExampleFile:
+    """Rendered examples (ids, token ids, loss masks) in a JSONL file, appended one by one, so that an
+    interrupted preparation (self-distillation takes hours) resumes after the last written example."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def read(self) -> list[Example]:
+        """Every complete example written so far."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(Example(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                break  # a line cut by an interruption: everything before it stands
+        return out
+
+    def extend(self, examples: Iterable[Example], num: int) -> list[Example]:
+        """Add examples (skipping ids already written) until the file holds `num`; returns them all."""
+        have = self.read()
+        done = {e.id for e in have}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w", encoding="utf-8") as f:  # rewritten whole first: drops a cut last line
+            f.writelines(json.dumps(e.__dict__) + "\n" for e in have)
+            if len(have) >= num:
+                return have
+            for ex in examples:  # stops as soon as it has enough (a source may be costly to draw from)
+                if ex.id in done:
+                    continue
+                f.write(json.dumps(ex.__dict__) + "\n")
+                f.flush()
+                have.append(ex)
+                if len(have) >= num:
+                    break
+        return have
+
+
 def self_distilled_examples(
     engine,
     split: str,
@@ -93,10 +159,13 @@ def self_distilled_examples(
     temperature: float = 0.0,
     max_prompt_chars: int = 2000,
     val_fraction: float = 0.02,
+    skip: Iterable[str] = (),
 ) -> Iterator[Example]:
-    """The target's own answers to the first user turn of ShareGPT conversations of one split."""
+    """The target's own answers to the first user turn of ShareGPT conversations of one split
+    (conversation ids in `skip` were answered before and are passed over)."""
     from engines.sampling import SamplingParams
 
+    skip = set(skip)
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=0 if temperature else None)
     pending: list[tuple[str, list[dict[str, str]]]] = []
     made = 0
@@ -114,6 +183,8 @@ def self_distilled_examples(
             break
         msgs = sharegpt_messages(rec)
         if split_of(rec["id"], val_fraction) != split or not msgs or msgs[0]["role"] != "user":
+            continue
+        if rec["id"] in skip:
             continue
         if not 0 < len(msgs[0]["content"]) <= max_prompt_chars:
             continue

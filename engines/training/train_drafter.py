@@ -4,52 +4,79 @@
 
 over every unrolled step s of every chain anchor j: h = h^s_j predicts the target state H_{j+s},
 l' = lm_head(h) + token_info(t_{j+s}) (Lyanna; EAGLE has no token info) and L = lm_head(H_{j+s})
-(recomputed from the frozen head, so shards store hidden states only). Positions count where the
-token H_{j+s} predicts is an assistant token. Adam with a linearly decaying learning rate;
-checkpoints hold model and optimizer state, so a stopped run resumes where it was.
-
-    python -m engines.training.train_drafter --kind lyanna --data DIR [--val-data DIR] --out DIR --steps 3 --epochs 2
+(recomputed from the frozen head, so features are hidden states only). Positions count where the
+token H_{j+s} predicts is an assistant token. Adam with a linearly decaying learning rate.
 
 Both kinds train with the same unroll: each step runs on the previous step's own prediction, as
 at inference (EAGLE's steps also take the true next token, which is what an accepted path holds).
+
+The loop runs alone or as one of several data-parallel workers (`Run`): each worker takes every
+world-th sequence, gradients are averaged over workers once per optimizer step, and rank 0
+validates, records the learning curve and writes checkpoints. A checkpoint holds the weights, the
+optimizer, the step and the curve, so a stopped run resumes at the step it last saved.
+`python -m engines.training` is the command that drives it (data, features, training, card).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import random
+import math
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engines.drafters.checkpoint import new_draft_model, save_draft_model, save_hot_tokens
-from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
-from engines.drafters.token_info import hot_tokens
-from engines.training.data import hot_token_counts, load_shard
+from engines.drafters.checkpoint import save_draft_model
+from engines.drafters.lyanna_model import LyannaDraftModel
 
 log = logging.getLogger(__name__)
+
+# One training sequence: the target's hidden states [n, hidden], token ids [n], loss mask [n].
+Sequence = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class TrainConfig:
     """Optimisation settings (defaults follow the paper where it gives them)."""
 
-    steps: int = 4  # unrolled draft steps
+    steps: int = 3  # unrolled draft steps
     alpha: float = 1.0  # hidden-state regression weight
     beta: float = 0.1  # distribution distillation weight
-    lr: float = 3e-4
+    lr: float = 1e-3
     epochs: int = 1
     max_seq: int = 512  # tokens per training sequence (longer examples are cut)
+    batch_seqs: int = 4  # sequences per optimizer step, over all workers
     seed: int = 0
-    log_every: int = 20
-    checkpoint_every: int = 200
-    max_examples: int = 0  # training sequences per epoch (0: all), for quick comparisons
+    eval_every: int = 100  # optimizer steps between validations (points of the learning curve)
+    checkpoint_every: int = 100  # optimizer steps between checkpoints
+    val_limit: int = 64  # validation sequences
+    max_examples: int = 0  # training sequences per epoch (0: all)
+    stop_after: int = 0  # optimizer steps this invocation takes before it checkpoints and stops (0: none)
+
+
+class SequenceSource(Protocol):
+    """Training sequences with the target's hidden states, in a seeded order, split across workers."""
+
+    def __len__(self) -> int: ...
+
+    def sequences(self, seed: int | None, rank: int = 0, world: int = 1, skip: int = 0) -> Iterator[Sequence]:
+        """This worker's share (every world-th sequence of the seeded order), after skipping `skip` of
+        them without computing their features."""
+        ...
+
+
+# ---- loss and validation ------------------------------------------------------------------------
+def _step_logits(model: LyannaDraftModel, h: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+    logits = model.logits(h)
+    if model.token_info is not None:
+        logits = logits + model.token_info(prev_tokens).float()
+    return logits
 
 
 def distill_loss(
@@ -60,175 +87,289 @@ def distill_loss(
     steps: int,
     alpha: float,
     beta: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one sequence and per-step top-1 agreement with the target."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one sequence and, per step, its top-1 agreement with the target (unreduced)."""
     n = hidden.shape[0]
     preds = model.unroll(hidden, tokens, steps)
     total = hidden.new_zeros((), dtype=torch.float32)
-    stats: dict[str, float] = {}
+    stats: dict[str, torch.Tensor] = {}
     for s, h in enumerate(preds, 1):
-        anchors = torch.arange(n - 1)
-        valid = anchors + s + 1 < n  # H_{j+s} predicts t_{j+s+1}, which must exist
-        idx = anchors[valid]
-        if idx.numel() == 0:
-            break
-        keep = loss_mask[idx + s + 1].bool()
-        idx = idx[keep]
+        anchors = torch.arange(n - 1, device=hidden.device)
+        idx = anchors[anchors + s + 1 < n]  # H_{j+s} predicts t_{j+s+1}, which must exist
+        idx = idx[loss_mask[idx + s + 1].bool()]
         if idx.numel() == 0:
             continue
         h_s, target = h[idx], hidden[idx + s]
         mse = F.mse_loss(h_s.float(), target.float())
-        logits = model.logits(h_s)
-        if model.token_info is not None:
-            logits = logits + model.token_info(tokens[idx + s]).float()
+        logits = _step_logits(model, h_s, tokens[idx + s])
         with torch.no_grad():  # over the drafter's (possibly hot) vocabulary: renormalised target
             target_probs = model.logits(target).softmax(-1)
         ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
         total = total + alpha * mse + beta * ce
-        stats[f"acc{s}"] = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().item()
+        stats[f"acc{s}"] = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().detach()
     return total, stats
 
 
-def iter_sequences(data_dir: str | Path, max_seq: int, seed: int | None):
-    """Examples of a feature set (shuffled when seeded), cut to `max_seq` tokens."""
-    index = json.loads((Path(data_dir) / "index.json").read_text())
-    files = [s["file"] for s in index["shards"]]
-    rng = random.Random(seed)
-    if seed is not None:
-        rng.shuffle(files)
-    for f in files:
-        examples = load_shard(Path(data_dir) / f)
-        if seed is not None:
-            rng.shuffle(examples)
-        for ex in examples:
-            yield ex["hidden"][:max_seq], ex["input_ids"][:max_seq].long(), ex["loss_mask"][:max_seq]
-
-
 @torch.no_grad()
-def evaluate(model: LyannaDraftModel, data_dir: str | Path, cfg: TrainConfig, limit: int = 200) -> dict[str, float]:
-    """Mean loss and per-step top-1 agreement on a feature set."""
-    losses, accs = [], {}
-    for k, (h, t, m) in enumerate(iter_sequences(data_dir, cfg.max_seq, None)):
-        if k == limit:
-            break
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.device.type == "cpu"):
-            loss, stats = distill_loss(model, h.float(), t, m, cfg.steps, cfg.alpha, cfg.beta)
-        losses.append(loss.item())
-        for key, v in stats.items():
-            accs.setdefault(key, []).append(v)
-    return {"loss": sum(losses) / max(1, len(losses))} | {k: sum(v) / len(v) for k, v in accs.items()}
-
-
-def save_checkpoint(
+def chain_matches(
     model: LyannaDraftModel,
-    opt: torch.optim.Optimizer,
-    out: Path,
-    step: int,
-    seen: int,
-    cfg: TrainConfig,
-    extra: dict,
-) -> None:
-    """A loadable drafter folder (weights + config) with optimizer state and progress beside it:
-    `step` optimizer steps taken, `seen` training sequences consumed (some take no step)."""
-    save_draft_model(model, out, {"train": asdict(cfg)} | extra)
-    torch.save({"optimizer": opt.state_dict(), "step": step, "seen": seen}, out / "train_state.pt")
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    steps: int,
+    target_top1: torch.Tensor,
+) -> torch.Tensor:
+    """[anchors, steps] bool: whether the drafter's top-1 token at each step of each greedy chain
+    equals the target's top-1 (over the full vocabulary), for chains lying inside an answer."""
+    n = hidden.shape[0]
+    preds = model.unroll(hidden, tokens, steps)
+    anchors = torch.arange(max(0, n - steps - 1), device=hidden.device)
+    inside = torch.ones_like(anchors, dtype=torch.bool)
+    for s in range(1, steps + 1):
+        inside &= loss_mask[anchors + s + 1].bool()
+    idx = anchors[inside]
+    cols = []
+    for s, h in enumerate(preds, 1):
+        top = _step_logits(model, h[idx], tokens[idx + s]).argmax(-1)
+        if model.d2t is not None:
+            top = model.d2t[top]
+        cols.append(top == target_top1[idx + s])
+    return torch.stack(cols, dim=1) if cols else torch.zeros(0, steps, dtype=torch.bool)
+
+
+class Validator:
+    """Held-out loss, per-step top-1 agreement and greedy-chain conditional acceptance.
+
+    `cond{s}` = P(step s's top-1 equals the target's | steps 1..s-1 did), over chains inside
+    answers; `chain_tokens` = 1 + expected accepted tokens of a width-1 chain (tokens per target
+    forward). The target's own top-1 is computed once per sequence and kept."""
+
+    def __init__(self, data: SequenceSource, cfg: TrainConfig):
+        self.data, self.cfg = data, cfg
+        self._held: list[tuple[Sequence, torch.Tensor]] = []  # sequences with the target's top-1
+
+    @torch.no_grad()
+    def __call__(self, model: LyannaDraftModel) -> dict[str, float]:
+        cfg = self.cfg
+        was_training = model.training
+        model.eval()
+        losses: list[float] = []
+        accs: dict[str, list[float]] = {}
+        matches = []
+        if not self._held:  # features computed once (on the fly they cost a target forward)
+            for k, (h, t, m) in enumerate(self.data.sequences(None)):
+                if k == cfg.val_limit:
+                    break
+                device = model.embed.device
+                h, t, m = (x[: cfg.max_seq].to(device) for x in (h, t.long(), m))
+                top1 = (h.float() @ model.lm_head_full.float().T).argmax(-1)
+                self._held.append(((h.to(torch.bfloat16), t, m), top1))
+        for (h, t, m), top1 in self._held:
+            h = h.float()
+            with torch.autocast(h.device.type, dtype=torch.bfloat16):
+                loss, stats = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+                matches.append(chain_matches(model, h, t, m, cfg.steps, top1))
+            losses.append(loss.item())
+            for key, v in stats.items():
+                accs.setdefault(key, []).append(v.item())
+        model.train(was_training)
+        out = {"val_loss": sum(losses) / max(1, len(losses))}
+        out |= {k: sum(v) / len(v) for k, v in accs.items()}
+        return out | acceptance_by_step(torch.cat(matches) if matches else torch.zeros(0, cfg.steps, dtype=torch.bool))
+
+
+def acceptance_by_step(matches: torch.Tensor) -> dict[str, float]:
+    """Conditional acceptance per step and tokens per forward of greedy chains ([chains, steps] matches)."""
+    out: dict[str, float] = {}
+    reached = torch.ones(matches.shape[0], dtype=torch.bool)
+    expected = 1.0
+    for s in range(matches.shape[1]):
+        now = reached & matches[:, s]
+        out[f"cond{s + 1}"] = now.sum().item() / max(1, reached.sum().item())
+        expected += now.float().mean().item() if matches.shape[0] else 0.0
+        reached = now
+    out["chain_tokens"] = expected
+    return out
+
+
+# ---- where the loop runs ------------------------------------------------------------------------
+class Run:
+    """One process training alone, checkpointing to a folder (`ray_train.RayRun` is a Ray Train worker's)."""
+
+    rank = 0
+    world = 1
+
+    def __init__(self, checkpoint_dir: str | Path):
+        self.dir = Path(checkpoint_dir)
+
+    def restore(self) -> Path | None:
+        """The folder of the latest checkpoint, if there is one."""
+        return self.dir if (self.dir / "train_state.pt").exists() else None
+
+    def share_weights(self, params: list[torch.nn.Parameter]) -> None:
+        """Give every worker rank 0's weights (nothing to do alone)."""
+
+    def average_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Average gradients over workers (nothing to do alone)."""
+
+    def total(self, count: int) -> int:
+        """The sum of a count over workers."""
+        return count
+
+    def save(self, write, metrics: dict[str, float]) -> None:
+        """Persist a checkpoint: `write(folder)` fills the folder; rank 0's is kept."""
+        tmp = self.dir.with_name(self.dir.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():  # a file at a time, each replaced atomically
+            f.replace(self.dir / f.name)
+        tmp.rmdir()
+
+
+@dataclass
+class Progress:
+    """Where a run stands: optimizer steps taken and the learning curve so far."""
+
+    step: int = 0
+    curve: list[dict[str, float]] = field(default_factory=list)
+    wall_s: float = 0.0  # training wall time over all invocations
+    tokens: int = 0  # training tokens consumed (all workers)
+
+
+def _write_checkpoint(model, opt, progress: Progress, cfg: TrainConfig, card: dict):
+    def write(folder: Path) -> None:
+        save_draft_model(model, folder, {"train": asdict(cfg)} | card)
+        torch.save({"optimizer": opt.state_dict(), "progress": asdict(progress)}, folder / "train_state.pt")
+        (folder / "curve.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress.curve))
+
+    return write
+
+
+def _restore(model, opt, folder: Path) -> Progress:
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    state = torch.load(folder / "train_state.pt", weights_only=False)
+    opt.load_state_dict(state["optimizer"])
+    return Progress(**state["progress"])
 
 
 def train(
-    model: LyannaDraftModel, data_dir: str | Path, out: str | Path, cfg: TrainConfig, val_dir: str | Path | None = None
-) -> dict[str, float]:
-    """Train (resuming from `out` when it holds a checkpoint); returns the last validation metrics."""
-    out = Path(out)
+    model: LyannaDraftModel,
+    data: SequenceSource,
+    cfg: TrainConfig,
+    val: SequenceSource | None = None,
+    run: Run | None = None,
+    card: dict | None = None,
+    progress_bar: bool = False,
+) -> Progress:
+    """Train (resuming from the run's latest checkpoint); returns where the run stands at the end.
+
+    `card` is written into every checkpoint's config.json beside the settings (data, target, command)."""
+    run = run or Run("checkpoint")
     torch.manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device
     opt = torch.optim.Adam(params, lr=cfg.lr)
-    index = json.loads((Path(data_dir) / "index.json").read_text())
-    per_epoch = min(index["num_examples"], cfg.max_examples or index["num_examples"])
-    total = per_epoch * cfg.epochs
-    step = done = 0
-    if (out / "train_state.pt").exists():
-        model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
-        state = torch.load(out / "train_state.pt", weights_only=False)
-        opt.load_state_dict(state["optimizer"])
-        step, done = state["step"], state["seen"]
-        log.info("resumed at step %d (%d sequences consumed)", step, done)
-    first = step  # the learning rate decays linearly from lr at step 0 to 0 at the last step
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1.0 - (first + k) / max(1, total)))
+    per_rank_batch = max(1, cfg.batch_seqs // run.world)
+    per_epoch = min(len(data), cfg.max_examples or len(data)) // run.world  # this worker's sequences
+    steps_per_epoch = per_epoch // per_rank_batch
+    total = steps_per_epoch * cfg.epochs
+    if total == 0:
+        raise ValueError(f"{len(data)} sequences make no optimizer step of {cfg.batch_seqs} over {run.world} workers")
+    restored = run.restore()
+    progress = _restore(model, opt, restored) if restored else Progress()
+    if restored:
+        log.info("resumed at step %d of %d", progress.step, total)
+    run.share_weights(params)
+    first_step = progress.step  # the learning rate decays linearly from lr at step 0 to 0 at the last
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1.0 - (first_step + k) / total))
+    validator = Validator(val, cfg) if val is not None and run.rank == 0 else None
+    card = card or {}
+    bar = None
+    if progress_bar and run.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=progress.step, unit="step", desc=f"training {model.kind}", dynamic_ncols=True)
     start = time.monotonic()
-    seen = 0
-    for epoch in range(cfg.epochs):
-        for k, (h, t, m) in enumerate(iter_sequences(data_dir, cfg.max_seq, cfg.seed + epoch)):
-            if k == per_epoch:
-                break
-            seen += 1
-            if seen <= done:
-                continue  # consumed before the resume
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=h.device.type == "cpu"):
-                loss, stats = distill_loss(model, h.float(), t, m, cfg.steps, cfg.alpha, cfg.beta)
-            if not loss.requires_grad:  # nothing to learn here (e.g. the answer lies past max_seq)
-                continue
-            opt.zero_grad(set_to_none=True)
+    wall_before = progress.wall_s
+
+    def checkpoint(metrics: dict[str, float]) -> None:
+        progress.wall_s = wall_before + time.monotonic() - start
+        run.save(_write_checkpoint(model, opt, progress, cfg, card), metrics)
+
+    def validate(train_loss: float) -> dict[str, float]:
+        point = {"step": progress.step, "tokens": progress.tokens, "wall_s": wall_before + time.monotonic() - start}
+        point |= {"train_loss": train_loss}
+        if validator is not None:
+            point |= validator(model)
+        progress.curve.append(point)
+        if validator is not None:
+            log.info("step %d: %s", progress.step, " ".join(f"{k} {v:.4g}" for k, v in point.items()))
+        return point
+
+    if progress.step == 0 and not progress.curve:
+        validate(float("nan"))  # the untrained drafter: the curve's first point
+    model.train()
+    recent: list[float] = []
+    taken = saved_at = 0
+
+    def batches() -> Iterator[list[Sequence]]:
+        while True:  # from the current step on, across epochs; each epoch has its own seeded order
+            epoch, in_epoch = divmod(progress.step, steps_per_epoch)
+            seqs = data.sequences(cfg.seed + epoch, run.rank, run.world, skip=in_epoch * per_rank_batch)
+            for _ in range(in_epoch, steps_per_epoch):
+                yield [next(seqs) for _ in range(per_rank_batch)]
+
+    stream = batches()
+    while progress.step < total and not (cfg.stop_after and taken >= cfg.stop_after):
+        opt.zero_grad(set_to_none=False)
+        loss_sum, tokens = 0.0, 0
+        for h, t, m in next(stream):
+            h, t, m = (x[: cfg.max_seq].to(device) for x in (h.float(), t.long(), m))
+            with torch.autocast(h.device.type, dtype=torch.bfloat16):
+                loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+            if loss.requires_grad:  # a sequence whose answer lies past max_seq has nothing to learn
+                (loss / per_rank_batch).backward()
+            loss_sum += loss.item()
+            tokens += t.numel()
+        for p in params:  # every worker all-reduces the same tensors, learnt from or not
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        run.average_gradients(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        progress.step += 1
+        progress.tokens += run.total(tokens)
+        taken += 1
+        recent = [*recent[-49:], loss_sum / per_rank_batch]
+        metrics = {"step": progress.step, "train_loss": sum(recent) / len(recent)}
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
+        if progress.step % cfg.eval_every == 0 or progress.step == total:
+            metrics = validate(metrics["train_loss"])
+        if progress.step % cfg.checkpoint_every == 0 or progress.step == total:
+            checkpoint(metrics)
+            saved_at = progress.step
+    if taken and saved_at != progress.step:  # stopped between checkpoints (stop_after)
+        checkpoint({"step": progress.step, "train_loss": sum(recent) / len(recent)})
+    if bar is not None:
+        bar.close()
+    return progress
+
+
+def tokens_per_second(model: LyannaDraftModel, seq: Sequence, cfg: TrainConfig, reps: int = 2) -> float:
+    """Training tokens per second of one process on a sequence like the data's (forward + backward)."""
+    h, t, m = seq
+    h, t, m = h[: cfg.max_seq].float(), t[: cfg.max_seq].long(), m[: cfg.max_seq]
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        with torch.autocast(h.device.type, dtype=torch.bfloat16):
+            loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+        if loss.requires_grad:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            if step % cfg.log_every == 0:
-                log.info(
-                    "step %d/%d loss %.4f %s %.0fs",
-                    step,
-                    total,
-                    loss.item(),
-                    " ".join(f"{k} {v:.3f}" for k, v in stats.items()),
-                    time.monotonic() - start,
-                )
-            if step % cfg.checkpoint_every == 0:
-                save_checkpoint(model, opt, out, step, seen, cfg, {})
-    metrics = evaluate(model, val_dir, cfg) if val_dir else {}
-    save_checkpoint(
-        model, opt, out, step, max(seen, done), cfg, {"val": metrics, "train_wall_s": time.monotonic() - start}
-    )
-    return metrics
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Train a drafter for the embedded target (or --model) from prepared feature shards."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kind", choices=["lyanna", "eagle"], default="lyanna")
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--val-data", default=None)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default=None, help="target checkpoint (default: embedded SmolLM2)")
-    ap.add_argument("--rank", type=int, default=64, help="token-info rank")
-    ap.add_argument("--no-fusion", action="store_true")
-    ap.add_argument("--no-token-info", action="store_true")
-    ap.add_argument(
-        "--draft-vocab",
-        type=int,
-        default=None,
-        help="restrict the LM head to the N most frequent assistant tokens of --data",
-    )
-    for name, default in asdict(TrainConfig()).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from engines.loader import load_model
-
-    target = load_model(args.model, dtype="float32")
-    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
-    counts = hot_token_counts(args.data)
-    save_hot_tokens(args.out, counts)
-    hot = hot_tokens(counts, args.draft_vocab) if args.draft_vocab else None
-    draft_cfg = LyannaConfig(
-        target.config,
-        token_info_rank=args.rank,
-        use_fusion=not args.no_fusion,
-        use_token_info=not args.no_token_info,
-        draft_vocab=args.draft_vocab,
-    )
-    model = new_draft_model(args.kind, draft_cfg, target.model, hot)
-    print(json.dumps(train(model, args.data, args.out, cfg, args.val_data)))
-
-
-if __name__ == "__main__":
-    main()
+        best = min(best, time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return t.numel() / best

@@ -102,3 +102,49 @@ def test_self_distilled_examples_hold_the_targets_own_answers(engine_fp32):
         prompt_len = ex.loss_mask.index(1)
         answer = engine_fp32.generate([ex.token_ids[:prompt_len]], SamplingParams(temperature=0, max_tokens=8))[0]
         assert engine_fp32.tokenizer.decode(ex.token_ids[prompt_len:]).startswith(answer.text.strip()[:10])
+
+
+def test_chat_file_examples_read_openai_and_sharegpt_lines(engine_fp32, tmp_path):
+    from engines.training.data import chat_file_examples
+
+    path = tmp_path / "chats.jsonl"
+    lines = [
+        {"id": f"a{i}", "messages": CONV} for i in range(40)
+    ] + [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    tok = engine_fp32.tokenizer
+    train = list(chat_file_examples(tok, path, "train", 10_000))
+    val = list(chat_file_examples(tok, path, "val", 10_000))
+    assert len(train) + len(val) == 41 and {e.id for e in train}.isdisjoint(e.id for e in val)
+    assert all(split_of(e.id) == "val" for e in val)
+    assert any(e.id == "line41" for e in train + val)  # no id: the line number
+    assert render(tok, "x", CONV, 10_000).token_ids in [e.token_ids for e in train + val]
+    path.write_text('{"prompt": "no chat here"}\n')
+    try:
+        list(chat_file_examples(tok, path, "train"))
+    except ValueError as e:
+        assert "chats.jsonl:1" in str(e) and "messages" in str(e)
+    else:
+        raise AssertionError("a line without a chat must be refused")
+
+
+def test_example_file_resumes_after_a_cut_line(tmp_path):
+    from engines.training.data import ExampleFile
+
+    file = ExampleFile(tmp_path / "train.jsonl")
+    made = [Example(f"c{i}", [1, 2, 3, i], [0, 0, 1, 1]) for i in range(6)]
+    assert len(file.extend(iter(made[:3]), 3)) == 3
+    with open(file.path, "a") as f:
+        f.write('{"id": "c3", "token_ids": [1, 2')  # an interrupted write
+    assert [e.id for e in file.read()] == ["c0", "c1", "c2"]
+    seen = []
+
+    def source():
+        for e in made:
+            seen.append(e.id)
+            yield e
+
+    got = file.extend(source(), 5)
+    assert [e.id for e in got] == ["c0", "c1", "c2", "c3", "c4"]
+    assert [e.id for e in file.read()] == ["c0", "c1", "c2", "c3", "c4"]
+    assert seen == ["c0", "c1", "c2", "c3", "c4"]  # already-written ids are passed over, not duplicated

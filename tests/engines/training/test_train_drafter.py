@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from engines.config import ModelConfig
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.training.data import Example, ShardWriter
-from engines.training.train_drafter import TrainConfig, evaluate, train
+from engines.training.features import StoredFeatures
+from engines.training.train_drafter import Run, TrainConfig, Validator, acceptance_by_step, train
 
 TARGET = ModelConfig(
     vocab_size=40,
@@ -40,18 +43,50 @@ def synthetic_features(path, num=12, length=24):
 
 def test_training_lowers_the_loss_and_resumes(tmp_path):
     emb = synthetic_features(tmp_path / "data")
+    data = StoredFeatures(tmp_path / "data")
     model = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
-    cfg = TrainConfig(steps=3, lr=3e-3, epochs=6, log_every=1000, checkpoint_every=20)
-    before = evaluate(model, tmp_path / "data", cfg)
-    after = train(model, tmp_path / "data", tmp_path / "ckpt", cfg, val_dir=tmp_path / "data")
-    assert after["loss"] < 0.5 * before["loss"]
+    cfg = TrainConfig(steps=3, lr=3e-3, epochs=6, batch_seqs=1, eval_every=1000, checkpoint_every=20)
+    before = Validator(data, cfg)(model)
+    progress = train(model, data, cfg, val=data, run=Run(tmp_path / "ckpt"))
+    after = progress.curve[-1]
+    assert progress.curve[0]["val_loss"] == before["val_loss"]  # the curve starts at the untrained drafter
+    assert after["val_loss"] < 0.5 * before["val_loss"]
     assert after["acc1"] > before["acc1"] and after["acc1"] > 0.5
+    assert after["cond1"] > 0.5 and after["chain_tokens"] > 1.5
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     # Resume: a longer run continues from the saved step instead of starting over.
-    state = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)
-    assert state["step"] == 12 * 6  # the sequence without loss positions took no optimizer step
-    longer = TrainConfig(steps=3, lr=3e-3, epochs=7, log_every=1000, checkpoint_every=1000)
+    state = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["progress"]
+    assert state["step"] == 13 * 6  # the sequence without loss positions takes a step that learns nothing
+    longer = TrainConfig(steps=3, lr=3e-3, epochs=7, batch_seqs=1, eval_every=1000, checkpoint_every=1000)
     fresh = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
-    resumed = train(fresh, tmp_path / "data", tmp_path / "ckpt", longer, val_dir=tmp_path / "data")
-    assert torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["step"] == 12 * 7
-    assert resumed["loss"] <= after["loss"] * 1.5  # it kept the trained weights
+    resumed = train(fresh, data, longer, val=data, run=Run(tmp_path / "ckpt"))
+    assert resumed.step == 13 * 7
+    assert json.dumps(resumed.curve[: len(progress.curve)]) == json.dumps(progress.curve)  # (NaN: no loss yet)
+    assert resumed.curve[-1]["val_loss"] <= after["val_loss"] * 1.5  # it kept the trained weights
+
+
+def test_stop_after_checkpoints_mid_epoch_and_the_rest_matches_one_run(tmp_path):
+    """A run stopped mid-epoch and resumed ends where an uninterrupted run ends."""
+    emb = synthetic_features(tmp_path / "data")
+    data = StoredFeatures(tmp_path / "data")
+    weights = {}
+    for name, stops in (("whole", [0]), ("stopped", [5, 0])):
+        for stop in stops:
+            torch.manual_seed(1)
+            model = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
+            cfg = TrainConfig(steps=2, lr=3e-3, epochs=2, batch_seqs=2, eval_every=1000, checkpoint_every=1000,
+                              stop_after=stop)  # fmt: skip
+            progress = train(model, data, cfg, run=Run(tmp_path / name))
+        assert progress.step == 2 * (13 // 2)
+        weights[name] = model.state_dict()
+    for k, w in weights["whole"].items():
+        torch.testing.assert_close(weights["stopped"][k], w, msg=k)
+
+
+def test_acceptance_by_step_is_conditional():
+    matches = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    got = acceptance_by_step(matches)
+    assert got["cond1"] == 3 / 4  # three of four chains accept step 1
+    assert got["cond2"] == 2 / 3  # of those three, two accept step 2 (row 2's match at step 2 does not count)
+    assert got["cond3"] == 1 / 2
+    assert got["chain_tokens"] == 1 + 3 / 4 + 2 / 4 + 1 / 4

@@ -1,0 +1,103 @@
+"""What a drafter training run leaves beside its weights: the learning-curve plot and the model card."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def plot_curves(curves: dict[str, list[dict[str, float]]], path: str | Path, title: str = "") -> Path:
+    """Validation acceptance and loss against training tokens, one line per run and step
+    (`curves`: label -> curve points as `train` records them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, tok_ax, loss_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label, curve in curves.items():
+        xs = [p["tokens"] / 1e6 for p in curve]
+        steps = sorted(int(k[4:]) for k in curve[-1] if k.startswith("cond"))
+        for s in steps:
+            acc_ax.plot(xs, [p.get(f"cond{s}", math.nan) for p in curve], marker=".", label=f"{label} step {s}")
+        tok_ax.plot(xs, [p.get("chain_tokens", math.nan) for p in curve], marker=".", label=label)
+        loss_ax.plot(xs, [p.get("val_loss", math.nan) for p in curve], marker=".", label=f"{label} val")
+        loss_ax.plot(xs, [p.get("train_loss", math.nan) for p in curve], linestyle=":", label=f"{label} train")
+    acc_ax.set(xlabel="training tokens (millions)", ylabel="conditional acceptance (greedy chain)", ylim=(0, 1))
+    tok_ax.set(xlabel="training tokens (millions)", ylabel="tokens per target forward (chain)")
+    loss_ax.set(xlabel="training tokens (millions)", ylabel="distillation loss", yscale="log")
+    for ax in (acc_ax, tok_ax, loss_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def curve_table(curve: list[dict[str, float]]) -> str:
+    """The learning curve as a markdown table."""
+    steps = sorted(int(k[4:]) for k in curve[-1] if k.startswith("cond")) if curve else []
+    head = ["step", "tokens", "wall (min)", "train loss", "val loss", *[f"cond{s}" for s in steps], "chain tokens"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in curve:
+        cells = [
+            f"{int(p['step'])}",
+            f"{int(p['tokens']):,}",
+            f"{p['wall_s'] / 60:.1f}",
+            f"{p.get('train_loss', math.nan):.3f}",
+            f"{p.get('val_loss', math.nan):.3f}",
+            *[f"{100 * p.get(f'cond{s}', math.nan):.1f}%" for s in steps],
+            f"{p.get('chain_tokens', math.nan):.3f}",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def write_model_card(folder: str | Path, card: dict[str, Any], curve: list[dict[str, float]]) -> Path:
+    """README.md of a drafter checkpoint: what it drafts for, what it was trained on, how, and how well."""
+    folder = Path(folder)
+    last = curve[-1] if curve else {}
+    steps = sorted(int(k[4:]) for k in last if k.startswith("cond"))
+    data = card.get("data", {})
+    lines = [
+        f"# {card.get('kind', 'drafter').capitalize()} drafter for {card.get('target', 'the target')}",
+        "",
+        "Trained with `python -m engines.training`; load it with "
+        f"`EngineConfig(drafter={card.get('kind', 'lyanna')!r}, draft_model=<this folder>)`.",
+        "",
+        "## Data",
+        "",
+        f"- source: {data.get('source')} ({data.get('train_examples', 0):,} training conversations, "
+        f"{data.get('train_tokens', 0):,} tokens, {data.get('train_answer_tokens', 0):,} of them answer tokens; "
+        f"{data.get('val_examples', 0):,} held-out conversations)",
+        f"- target features: {card.get('features', {}).get('mode')} ({card.get('features', {}).get('reason')})",
+        "",
+        "## Training",
+        "",
+        f"- {int(last.get('step', 0)):,} optimizer steps, {int(last.get('tokens', 0)):,} tokens, "
+        f"{last.get('wall_s', 0) / 60:.1f} min wall on {card.get('workers', 1)} worker(s)",
+        f"- settings: `{json.dumps(card.get('train', {}))}`",
+        f"- command: `{card.get('command', '')}`",
+        "",
+        "## Validation (held-out split, greedy chains)",
+        "",
+        "Conditional acceptance at step s: the drafter's top-1 equals the target's given steps 1..s-1 did. "
+        "Chain tokens: tokens per target forward of a width-1 chain (1 + expected accepted drafts).",
+        "",
+    ]
+    if steps:
+        lines += [
+            " | ".join(f"step {s}: {100 * last[f'cond{s}']:.1f}%" for s in steps)
+            + f" | chain tokens {last.get('chain_tokens', math.nan):.3f}",
+            "",
+        ]
+    lines += ["## Learning curve", "", "![learning curves](curves.png)", "", curve_table(curve), ""]
+    path = folder / "README.md"
+    path.write_text("\n".join(lines))
+    return path

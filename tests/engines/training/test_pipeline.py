@@ -1,0 +1,108 @@
+"""`python -m engines.training` end to end: in this process on the embedded target, and data-parallel on
+two Ray Train CPU workers on a tiny target, with learning, resuming and a drafter the engine serves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from engines.training.pipeline import main
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers and explain why they are prime."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, checkpoint):
+    """A randomly initialised two-layer Llama checkpoint folder with the embedded model's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    folder = tmp_path_factory.mktemp("tiny-target")
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, folder / name)
+    return folder
+
+
+def _state(out):
+    return torch.load(out / "checkpoint" / "train_state.pt", weights_only=False)["progress"]
+
+
+@pytest.mark.slow
+def test_ray_train_two_workers_learn_and_resume(tiny_target, tmp_path):
+    out = tmp_path / "run"
+    common = [
+        "--model", str(tiny_target), "--source", "sharegpt", "--num", "24", "--val-num", "4",
+        "--max-seq", "128", "--draft-vocab", "512", "--lr", "3e-3", "--epochs", "8", "--batch-seqs", "2",
+        "--eval-every", "8", "--checkpoint-every", "8", "--workers", "2", "--out", str(out),
+    ]  # fmt: skip
+    # An interrupted run: 5 of its optimizer steps, then it stops with a checkpoint.
+    main([*common, "--features", "store", "--stop-after", "5"])
+    first = _state(out)
+    assert first["step"] == 5
+    # Two workers taking a sequence each per step train what one process taking both would.
+    local = tmp_path / "local"
+    main([*common[:-4], "--out", str(local), "--features", "store", "--stop-after", "5"])
+    ray_weights = load_file(str(out / "checkpoint" / "model.safetensors"))
+    local_weights = load_file(str(local / "checkpoint" / "model.safetensors"))
+    for name, w in local_weights.items():
+        torch.testing.assert_close(ray_weights[name], w, atol=2e-4, rtol=1e-3, msg=name)
+    main([*common, "--features", "store"])
+    done = _state(out)
+    usable = json.loads((out / "checkpoint" / "config.json").read_text())["data"]["train_examples"]
+    assert usable >= 8  # conversations with an answer inside the first 128 tokens
+    assert done["step"] == 8 * (usable // 2)
+    # It resumed: the points the first invocation recorded are kept as they were, and later ones follow.
+    assert json.dumps(done["curve"][: len(first["curve"])]) == json.dumps(first["curve"])  # (NaN: no loss yet)
+    steps = [p["step"] for p in done["curve"]]
+    assert steps == sorted(set(steps)) and steps[-1] == done["step"]
+    assert done["wall_s"] > first["wall_s"]
+    start, end = done["curve"][0], done["curve"][-1]
+    assert end["val_loss"] < 0.8 * start["val_loss"]  # it learns
+    assert end["cond1"] > 0.1 and end["chain_tokens"] > 1.1  # far above chance (1 in 512 draft tokens)
+    assert end["tokens"] > 8 * usable * 20
+    card = (out / "checkpoint" / "README.md").read_text()
+    assert "Learning curve" in card and "sharegpt" in card
+    assert (out / "checkpoint" / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_trained_drafter_serves_losslessly_and_feature_modes_agree(tmp_path):
+    """Both feature modes train the same drafter; the engine then loads it and greedy decoding with it
+    equals plain decoding token for token."""
+    common = ["--num", "6", "--val-num", "2", "--max-seq", "128", "--batch-seqs", "2", "--eval-every", "2"]
+    finals = {}
+    for mode in ("store", "on-the-fly"):
+        out = tmp_path / mode
+        finals[mode] = main([*common, "--features", mode, "--out", str(out)])
+        config = json.loads((out / "checkpoint" / "config.json").read_text())
+        assert config["features"]["mode"] == mode and config["kind"] == "lyanna"
+    assert finals["store"]["val_loss"] == pytest.approx(finals["on-the-fly"]["val_loss"], rel=1e-3)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    # The served configuration (bf16, the GGUF's int4 weights), whose verified rows equal decoded ones bit for bit.
+    plain = LLMEngine(EngineConfig(drafter="none", num_kv_blocks=128)).generate(PROMPTS, params)
+    ckpt = str(tmp_path / "store" / "checkpoint")
+    spec_engine = LLMEngine(EngineConfig(drafter="lyanna", draft_model=ckpt, num_kv_blocks=128))
+    spec = spec_engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec_engine.stats().spec.num_steps > 0
