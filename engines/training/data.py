@@ -42,9 +42,11 @@ class Example:
     loss_mask: list[int]  # 1 on assistant tokens (including their end-of-turn token)
 
 
-def split_of(conversation_id: str, val_fraction: float = 0.02) -> str:
-    """'train' or 'val', fixed by the conversation id (the same on every machine and run)."""
-    bucket = zlib.crc32(conversation_id.split("_")[0].encode()) % 10_000
+def split_of(conversation_id: str, val_fraction: float = 0.02, turns: bool = True) -> str:
+    """'train' or 'val', fixed by the conversation id (the same on every machine and run). With
+    `turns`, ids are ShareGPT's `<conversation>_<turn>` and a conversation's turns share its split."""
+    key = conversation_id.split("_")[0] if turns else conversation_id
+    bucket = zlib.crc32(key.encode()) % 10_000
     return "val" if bucket < val_fraction * 10_000 else "train"
 
 
@@ -104,7 +106,7 @@ def chat_file_examples(
             else:
                 raise ValueError(f"{path}:{n}: a chat needs 'messages' or 'conversations'")
             conv_id = str(rec.get("id", f"line{n}"))
-            if split_of(conv_id, val_fraction) != split or not any(m["role"] == "assistant" for m in msgs):
+            if split_of(conv_id, val_fraction, turns=False) != split or not any(m["role"] == "assistant" for m in msgs):
                 continue
             ex = render(tokenizer, conv_id, msgs, max_len)
             if ex is not None:
@@ -135,8 +137,10 @@ class ExampleFile:
         have = self.read()
         done = {e.id for e in have}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w", encoding="utf-8") as f:  # rewritten whole first: drops a cut last line
-            f.writelines(json.dumps(e.__dict__) + "\n" for e in have)
+        tmp = self.path.with_suffix(".tmp")  # rewritten without a cut last line, then swapped in whole
+        tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
+        tmp.replace(self.path)
+        with open(self.path, "a", encoding="utf-8") as f:
             if len(have) >= num:
                 return have
             for ex in examples:  # stops as soon as it has enough (a source may be costly to draw from)

@@ -7,6 +7,7 @@ fly they cost no disk and one target pass per epoch, spread over the data-parall
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from engines.model import LlamaModel
-from engines.training.data import Example, load_shard, target_hidden_states, write_features
+from engines.training.data import Example, target_hidden_states, write_features
 from engines.training.train_drafter import Sequence
 
 log = logging.getLogger(__name__)
@@ -34,26 +36,28 @@ def _share(order: list, seed: int | None, rank: int, world: int, skip: int) -> l
 
 
 class StoredFeatures:
-    """Feature shards written by `data.write_features` (an `index.json` plus safetensors shards)."""
+    """Feature shards written by `data.write_features` (an `index.json` plus safetensors shards); each
+    example is read alone (its rows of the shard), so a shuffled order costs no whole-shard reads."""
 
     def __init__(self, folder: str | Path):
         self.dir = Path(folder)
         self.index = json.loads((self.dir / "index.json").read_text())
-        # (shard file, position in it) of every example, in writing order
-        self._where = [(s["file"], i) for s in self.index["shards"] for i in range(len(s["ids"]))]
+        # (shard file, first row, end row) of every example, in writing order
+        self._where: list[tuple[str, int, int]] = []
+        for shard in self.index["shards"]:
+            with safe_open(self.dir / shard["file"], framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+            self._where += [(shard["file"], a, b) for a, b in itertools.pairwise(offsets)]
 
     def __len__(self) -> int:
         return len(self._where)
 
     def sequences(self, seed: int | None, rank: int = 0, world: int = 1, skip: int = 0) -> Iterator[Sequence]:
-        """Examples in a seeded order over all shards (one shard held in memory at a time)."""
-        mine = _share(self._where, seed, rank, world, skip)
-        loaded: tuple[str, list] = ("", [])
-        for file, i in mine:
-            if loaded[0] != file:
-                loaded = (file, load_shard(self.dir / file))
-            ex = loaded[1][i]
-            yield ex["hidden"], ex["input_ids"].long(), ex["loss_mask"]
+        """Examples in a seeded order over all shards."""
+        for file, a, b in _share(self._where, seed, rank, world, skip):
+            with safe_open(self.dir / file, framework="pt") as f:
+                rows = {k: f.get_slice(k)[a:b] for k in ("hidden", "input_ids", "loss_mask")}
+            yield rows["hidden"], rows["input_ids"].long(), rows["loss_mask"]
 
 
 class OnTheFlyFeatures:

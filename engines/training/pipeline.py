@@ -80,7 +80,8 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
             else:
                 source = chat_file_examples(tokenizer, args.source, split, args.max_seq)
         have = file.extend(_progress(source, num, len(have), f"{split} data"), num)
-    return [e for e in have if any(e.loss_mask[2 : args.max_seq])]
+    cut = [Example(e.id, e.token_ids[: args.max_seq], e.loss_mask[: args.max_seq]) for e in have[:num]]
+    return [e for e in cut if any(e.loss_mask[2:])]  # an answer token the drafter can learn to predict
 
 
 def _progress(items, total: int, initial: int, desc: str):
@@ -119,10 +120,8 @@ def build(recipe: dict[str, Any]):
 
         device = str(ray.train.torch.get_device())
     frozen = load_model(recipe["model"], "float32", device, quantization="none").model  # embedding, head, norm
-    hot = torch.tensor(sorted(recipe["hot_tokens"])) if recipe["hot_tokens"] else None
-    draft_cfg = LyannaConfig(frozen.cfg, **recipe["draft"])
     torch.manual_seed(recipe["train"]["seed"])  # the same initial drafter on every worker and every run
-    model = new_draft_model(recipe["kind"], draft_cfg, frozen, hot)
+    model = new_drafter(recipe, frozen).to(device)
     out = Path(recipe["out"])
     target = None
     if recipe["features"] != "store":
@@ -138,11 +137,24 @@ def build(recipe: dict[str, Any]):
     return model, source("train"), source("val"), TrainConfig(**recipe["train"]), recipe["card"]
 
 
-def finish(out: Path, checkpoint: Path, progress: Progress, card: dict[str, Any], counts: Counter) -> None:
+def new_drafter(recipe: dict[str, Any], target) -> torch.nn.Module:
+    """An untrained drafter of the recipe's kind and settings over a target model."""
+    hot = torch.tensor(sorted(recipe["hot_tokens"])) if recipe["hot_tokens"] else None
+    return new_draft_model(recipe["kind"], LyannaConfig(target.cfg, **recipe["draft"]), target, hot)
+
+
+def hot_vocabulary(counts: Counter, size: int, vocab_size: int) -> list[int]:
+    """The `size` most frequent answer tokens, padded with the lowest other ids on a small data set."""
+    hot = tokens_by_frequency(counts, size)
+    taken = set(hot)
+    return hot + [t for t in range(vocab_size) if t not in taken][: size - len(hot)]
+
+
+def finish(checkpoint: Path, progress: Progress, card: dict[str, Any], counts: Counter) -> None:
     """Complete the drafter folder: hot tokens, learning-curve plot and model card."""
     save_hot_tokens(checkpoint, counts)
     plot_curves({card["kind"]: progress.curve}, checkpoint / "curves.png", f"{card['kind']} drafter, {card['target']}")
-    write_model_card(checkpoint, card, progress.curve)
+    write_model_card(checkpoint, card, progress)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -181,20 +193,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     val_ex = prepare_examples(args, "val", args.val_num, out)
     if not train_ex or not val_ex:
         raise SystemExit(f"no usable conversations from {args.source!r} (train {len(train_ex)}, val {len(val_ex)})")
+    checkpoint = out / "checkpoint"
+    if (checkpoint / "config.json").exists():
+        before = json.loads((checkpoint / "config.json").read_text()).get("workers", 1)
+        if before != (args.workers or 1):
+            raise SystemExit(f"{out} was trained with {before} worker(s): resume it with --workers {before}")
     counts = answer_token_counts(train_ex)
     vocab = args.draft_vocab or None
-    hot = tokens_by_frequency(counts, vocab) if vocab else None
-    if hot is not None and len(hot) < vocab:
-        hot = hot + [t for t in range(vocab * 2) if t not in set(hot)][: vocab - len(hot)]  # pad a tiny data set
     from engines.loader import load_model
 
     device = "cuda" if args.gpu else "cpu"
     target = load_model(args.model, args.dtype, device, quantization=args.quantization)
+    hot = hot_vocabulary(counts, vocab, target.config.vocab_size) if vocab else None
     workers = max(1, args.workers)
     rates: dict[str, float] = {}
-    hot_ids = torch.tensor(sorted(hot)) if hot else None
+    recipe = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "device": device,
+        "workers": args.workers,
+        "kind": args.kind,
+        "draft": {
+            "token_info_rank": args.rank,
+            "use_fusion": not args.no_fusion,
+            "use_token_info": not args.no_token_info,
+            "draft_vocab": vocab,
+        },
+        "hot_tokens": hot,
+        "out": str(out.resolve()),
+        "train_ids": [e.id for e in train_ex],
+        "val_ids": [e.id for e in val_ex],
+        "train": asdict(cfg),
+    }
     if args.features == "auto":  # measure both sides of the choice on this machine
-        probe = new_draft_model(args.kind, LyannaConfig(target.config, draft_vocab=vocab), target.model, hot_ids)
+        probe = new_drafter(recipe, target.model).to(device)
         rates["features"] = feature_tokens_per_second(target.model, train_ex)
         ex = train_ex[0]
         hidden = target_hidden_states(target.model, ex.token_ids).float()
@@ -223,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         stored_features(target.model, val_ex, out / "features" / "val")
     del target
-    card = {
+    recipe["features"] = plan.mode
+    recipe["card"] = {
         "kind": args.kind,
         "target": args.model or "SmolLM2-135M-Instruct (embedded)",
         "data": summary,
@@ -231,28 +265,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workers": args.workers or 1,
         "command": "python -m engines.training " + shlex.join(sys.argv[1:] if argv is None else argv),
     }
-    recipe = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "device": device,
-        "workers": args.workers,
-        "kind": args.kind,
-        "draft": {
-            "token_info_rank": args.rank,
-            "use_fusion": not args.no_fusion,
-            "use_token_info": not args.no_token_info,
-            "draft_vocab": vocab,
-        },
-        "hot_tokens": hot,
-        "features": plan.mode,
-        "out": str(out.resolve()),
-        "train_ids": [e.id for e in train_ex],
-        "val_ids": [e.id for e in val_ex],
-        "train": asdict(cfg),
-        "card": card,
-    }
-    checkpoint = out / "checkpoint"
     if args.workers:
         from engines.training.ray_train import fit_on_ray
 
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         model, data, val, cfg, card = build(recipe)
         progress = train(model, data, cfg, val, Run(checkpoint), card, progress_bar=True)
-    finish(out, checkpoint, progress, card, counts)
+    finish(checkpoint, progress, recipe["card"] | {"train": recipe["train"]}, counts)
     final = progress.curve[-1] if progress.curve else {}
     print(json.dumps({"checkpoint": str(checkpoint), "step": progress.step} | final))
     return final

@@ -2,8 +2,9 @@
 
 Each worker builds the target and the drafter from the run's recipe, takes every N-th sequence,
 and averages gradients with the others (one all-reduce of the flattened gradients per optimizer
-step over torch.distributed, gloo on CPU, NCCL on GPU). Rank 0 validates and reports checkpoints to
-Ray Train; a run started again with the same storage folder and name resumes from the latest one.
+step over torch.distributed, gloo on CPU, NCCL on GPU, and one of the step's token count). Rank 0
+validates and reports checkpoints to Ray Train; a run started again with the same storage folder
+and name resumes from the latest one.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ class RayRun(Run):
 
     def __init__(self):
         import ray.train
+        import ray.train.torch
 
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()  # where collectives run: the GPU under NCCL, else the CPU
         self._restored: tempfile.TemporaryDirectory | None = None
 
     def restore(self) -> Path | None:
@@ -63,7 +66,7 @@ class RayRun(Run):
 
     def total(self, count: int) -> int:
         """The sum of a count over the workers."""
-        t = torch.tensor([count], dtype=torch.long)
+        t = torch.tensor([count], dtype=torch.long, device=self.device)
         dist.all_reduce(t)
         return int(t.item())
 
@@ -103,7 +106,7 @@ def fit_on_ray(
     `build(recipe)` runs on each worker and returns (drafter, train data, val data, TrainConfig, card)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     started = not ray.is_initialized()
     if started:  # a cluster when RAY_ADDRESS names one, else a local instance sized for the workers
@@ -112,6 +115,8 @@ def fit_on_ray(
         trainer = TorchTrainer(
             _worker,
             train_loop_config={"build": build, "recipe": recipe, "threads": threads},
+            # rank 0 validates while the others wait in the next all-reduce: allow it time
+            torch_config=TorchConfig(timeout_s=4 * 3600),
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": threads}),
             run_config=RunConfig(
                 name=name,

@@ -59,9 +59,11 @@ def curve_table(curve: list[dict[str, float]]) -> str:
     return "\n".join(rows)
 
 
-def write_model_card(folder: str | Path, card: dict[str, Any], curve: list[dict[str, float]]) -> Path:
-    """README.md of a drafter checkpoint: what it drafts for, what it was trained on, how, and how well."""
+def write_model_card(folder: str | Path, card: dict[str, Any], progress) -> Path:
+    """README.md of a drafter checkpoint: what it drafts for, what it was trained on, how, and how well
+    (`progress`: the run's `train_drafter.Progress`)."""
     folder = Path(folder)
+    curve = progress.curve
     last = curve[-1] if curve else {}
     steps = sorted(int(k[4:]) for k in last if k.startswith("cond"))
     data = card.get("data", {})
@@ -80,12 +82,12 @@ def write_model_card(folder: str | Path, card: dict[str, Any], curve: list[dict[
         "",
         "## Training",
         "",
-        f"- {int(last.get('step', 0)):,} optimizer steps, {int(last.get('tokens', 0)):,} tokens, "
-        f"{last.get('wall_s', 0) / 60:.1f} min wall on {card.get('workers', 1)} worker(s)",
+        f"- {progress.step:,} optimizer steps, {progress.tokens:,} tokens, "
+        f"{progress.wall_s / 60:.1f} min wall on {card.get('workers', 1)} worker(s)",
         f"- settings: `{json.dumps(card.get('train', {}))}`",
         f"- command: `{card.get('command', '')}`",
         "",
-        "## Validation (held-out split, greedy chains)",
+        f"## Validation (held-out split, greedy chains, at step {int(last.get('step', 0)):,})",
         "",
         "Conditional acceptance at step s: the drafter's top-1 equals the target's given steps 1..s-1 did. "
         "Chain tokens: tokens per target forward of a width-1 chain (1 + expected accepted drafts).",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -51,7 +52,7 @@ class TrainConfig:
     lr: float = 1e-3
     epochs: int = 1
     max_seq: int = 512  # tokens per training sequence (longer examples are cut)
-    batch_seqs: int = 4  # sequences per optimizer step, over all workers
+    batch_seqs: int = 4  # sequences per optimizer step over all workers (rounded down to a multiple of them)
     seed: int = 0
     eval_every: int = 100  # optimizer steps between validations (points of the learning curve)
     checkpoint_every: int = 100  # optimizer steps between checkpoints
@@ -88,7 +89,8 @@ def distill_loss(
     alpha: float,
     beta: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one sequence and, per step, its top-1 agreement with the target (unreduced)."""
+    """The loss of one sequence and, per step, the share of its positions where the drafter's top-1
+    equals the target's over the drafter's vocabulary (a 0-d tensor each, not synchronised)."""
     n = hidden.shape[0]
     preds = model.unroll(hidden, tokens, steps)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -118,9 +120,10 @@ def chain_matches(
     loss_mask: torch.Tensor,
     steps: int,
     target_top1: torch.Tensor,
-) -> torch.Tensor:
-    """[anchors, steps] bool: whether the drafter's top-1 token at each step of each greedy chain
-    equals the target's top-1 (over the full vocabulary), for chains lying inside an answer."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the chains lying inside an answer, two [anchors, steps] bool tensors: whether the drafter's
+    top-1 token at each step equals the target's top-1 (over the full vocabulary), and whether the data
+    goes on with that token (so the next step's context is the one a greedy chain would have)."""
     n = hidden.shape[0]
     preds = model.unroll(hidden, tokens, steps)
     anchors = torch.arange(max(0, n - steps - 1), device=hidden.device)
@@ -128,20 +131,22 @@ def chain_matches(
     for s in range(1, steps + 1):
         inside &= loss_mask[anchors + s + 1].bool()
     idx = anchors[inside]
-    cols = []
+    matches, follows = [], []
     for s, h in enumerate(preds, 1):
         top = _step_logits(model, h[idx], tokens[idx + s]).argmax(-1)
         if model.d2t is not None:
             top = model.d2t[top]
-        cols.append(top == target_top1[idx + s])
-    return torch.stack(cols, dim=1) if cols else torch.zeros(0, steps, dtype=torch.bool)
+        matches.append(top == target_top1[idx + s])
+        follows.append(tokens[idx + s + 1] == target_top1[idx + s])
+    return torch.stack(matches, dim=1), torch.stack(follows, dim=1)
 
 
 class Validator:
     """Held-out loss, per-step top-1 agreement and greedy-chain conditional acceptance.
 
-    `cond{s}` = P(step s's top-1 equals the target's | steps 1..s-1 did), over chains inside
-    answers; `chain_tokens` = 1 + expected accepted tokens of a width-1 chain (tokens per target
+    `cond{s}` = P(step s's top-1 equals the target's | steps 1..s-1 did), over chains inside answers
+    whose earlier steps' tokens are also the data's (on other data the target's greedy path is not
+    known); `chain_tokens` = 1 + expected accepted tokens of a width-1 chain (tokens per target
     forward). The target's own top-1 is computed once per sequence and kept."""
 
     def __init__(self, data: SequenceSource, cfg: TrainConfig):
@@ -175,19 +180,23 @@ class Validator:
         model.train(was_training)
         out = {"val_loss": sum(losses) / max(1, len(losses))}
         out |= {k: sum(v) / len(v) for k, v in accs.items()}
-        return out | acceptance_by_step(torch.cat(matches) if matches else torch.zeros(0, cfg.steps, dtype=torch.bool))
+        both = [torch.cat(x) for x in zip(*matches, strict=True)]
+        return out | acceptance_by_step(*both)
 
 
-def acceptance_by_step(matches: torch.Tensor) -> dict[str, float]:
-    """Conditional acceptance per step and tokens per forward of greedy chains ([chains, steps] matches)."""
+def acceptance_by_step(matches: torch.Tensor, follows: torch.Tensor | None = None) -> dict[str, float]:
+    """Conditional acceptance per step and tokens per forward of greedy chains, from [chains, steps]
+    matches; a chain counts at step s+1 only if it matched at s and (`follows`) the data went on with
+    the matched token."""
     out: dict[str, float] = {}
-    reached = torch.ones(matches.shape[0], dtype=torch.bool)
-    expected = 1.0
+    reached = torch.ones(matches.shape[0], dtype=torch.bool, device=matches.device)
+    through, expected = 1.0, 1.0  # P(a chain accepts steps 1..s), 1 + sum of those
     for s in range(matches.shape[1]):
-        now = reached & matches[:, s]
-        out[f"cond{s + 1}"] = now.sum().item() / max(1, reached.sum().item())
-        expected += now.float().mean().item() if matches.shape[0] else 0.0
-        reached = now
+        cond = (reached & matches[:, s]).sum().item() / max(1, reached.sum().item())
+        out[f"cond{s + 1}"] = cond
+        through *= cond
+        expected += through
+        reached = reached & matches[:, s] & (follows[:, s] if follows is not None else True)
     out["chain_tokens"] = expected
     return out
 
@@ -204,7 +213,14 @@ class Run:
 
     def restore(self) -> Path | None:
         """The folder of the latest checkpoint, if there is one."""
-        return self.dir if (self.dir / "train_state.pt").exists() else None
+        for folder in (self.dir, self._old):  # the old one stands in if a save was cut between its renames
+            if (folder / "train_state.pt").exists():
+                return folder
+        return None
+
+    @property
+    def _old(self) -> Path:
+        return self.dir.with_name(self.dir.name + ".old")
 
     def share_weights(self, params: list[torch.nn.Parameter]) -> None:
         """Give every worker rank 0's weights (nothing to do alone)."""
@@ -217,14 +233,17 @@ class Run:
         return count
 
     def save(self, write, metrics: dict[str, float]) -> None:
-        """Persist a checkpoint: `write(folder)` fills the folder; rank 0's is kept."""
+        """Persist a checkpoint: `write(folder)` fills a new folder, which then replaces the last one
+        whole (an interruption leaves one complete checkpoint, never a mix of two)."""
         tmp = self.dir.with_name(self.dir.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         write(tmp)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for f in tmp.iterdir():  # a file at a time, each replaced atomically
-            f.replace(self.dir / f.name)
-        tmp.rmdir()
+        shutil.rmtree(self._old, ignore_errors=True)
+        if self.dir.exists():
+            self.dir.rename(self._old)
+        tmp.rename(self.dir)
+        shutil.rmtree(self._old, ignore_errors=True)
 
 
 @dataclass
@@ -235,6 +254,7 @@ class Progress:
     curve: list[dict[str, float]] = field(default_factory=list)
     wall_s: float = 0.0  # training wall time over all invocations
     tokens: int = 0  # training tokens consumed (all workers)
+    layout: dict[str, int] = field(default_factory=dict)  # workers, sequences per step and per epoch
 
 
 def _write_checkpoint(model, opt, progress: Progress, cfg: TrainConfig, card: dict):
@@ -276,9 +296,15 @@ def train(
     total = steps_per_epoch * cfg.epochs
     if total == 0:
         raise ValueError(f"{len(data)} sequences make no optimizer step of {cfg.batch_seqs} over {run.world} workers")
+    layout = {"workers": run.world, "batch_seqs": per_rank_batch * run.world, "epoch_seqs": per_epoch * run.world}
     restored = run.restore()
-    progress = _restore(model, opt, restored) if restored else Progress()
+    progress = _restore(model, opt, restored) if restored else Progress(layout=layout)
     if restored:
+        if progress.layout != layout:  # the step count would point at other data and another learning rate
+            raise ValueError(
+                f"the checkpoint in {restored} was trained with {progress.layout}, this run has {layout}: "
+                "resume with the same workers, --batch-seqs and data, or start a new run folder"
+            )
         log.info("resumed at step %d of %d", progress.step, total)
     run.share_weights(params)
     first_step = progress.step  # the learning rate decays linearly from lr at step 0 to 0 at the last
@@ -297,9 +323,9 @@ def train(
         progress.wall_s = wall_before + time.monotonic() - start
         run.save(_write_checkpoint(model, opt, progress, cfg, card), metrics)
 
-    def validate(train_loss: float) -> dict[str, float]:
+    def validate(train_loss: float | None) -> dict[str, float]:
         point = {"step": progress.step, "tokens": progress.tokens, "wall_s": wall_before + time.monotonic() - start}
-        point |= {"train_loss": train_loss}
+        point |= {} if train_loss is None else {"train_loss": train_loss}
         if validator is not None:
             point |= validator(model)
         progress.curve.append(point)
@@ -308,7 +334,7 @@ def train(
         return point
 
     if progress.step == 0 and not progress.curve:
-        validate(float("nan"))  # the untrained drafter: the curve's first point
+        validate(None)  # the untrained drafter: the curve's first point
     model.train()
     recent: list[float] = []
     taken = saved_at = 0
@@ -361,8 +387,8 @@ def train(
 
 def tokens_per_second(model: LyannaDraftModel, seq: Sequence, cfg: TrainConfig, reps: int = 2) -> float:
     """Training tokens per second of one process on a sequence like the data's (forward + backward)."""
-    h, t, m = seq
-    h, t, m = h[: cfg.max_seq].float(), t[: cfg.max_seq].long(), m[: cfg.max_seq]
+    device = model.embed.device
+    h, t, m = (x[: cfg.max_seq].to(device) for x in (seq[0].float(), seq[1].long(), seq[2]))
     best = math.inf
     for _ in range(reps):
         start = time.perf_counter()
@@ -370,6 +396,8 @@ def tokens_per_second(model: LyannaDraftModel, seq: Sequence, cfg: TrainConfig, 
             loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
         if loss.requires_grad:
             loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return t.numel() / best

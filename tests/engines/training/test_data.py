@@ -109,15 +109,16 @@ def test_chat_file_examples_read_openai_and_sharegpt_lines(engine_fp32, tmp_path
 
     path = tmp_path / "chats.jsonl"
     lines = [
-        {"id": f"a{i}", "messages": CONV} for i in range(40)
+        {"id": f"chat_{i}", "messages": CONV} for i in range(300)
     ] + [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     tok = engine_fp32.tokenizer
     train = list(chat_file_examples(tok, path, "train", 10_000))
     val = list(chat_file_examples(tok, path, "val", 10_000))
-    assert len(train) + len(val) == 41 and {e.id for e in train}.isdisjoint(e.id for e in val)
-    assert all(split_of(e.id) == "val" for e in val)
-    assert any(e.id == "line41" for e in train + val)  # no id: the line number
+    assert len(train) + len(val) == 301 and {e.id for e in train}.isdisjoint(e.id for e in val)
+    # A user's ids are whole ids (not ShareGPT's conversation_turn): "chat_1" and "chat_2" split apart.
+    assert 1 <= len(val) <= 20 and all(split_of(e.id, turns=False) == "val" for e in val)
+    assert any(e.id == "line301" for e in train + val)  # no id: the line number
     assert render(tok, "x", CONV, 10_000).token_ids in [e.token_ids for e in train + val]
     path.write_text('{"prompt": "no chat here"}\n')
     try:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+import pytest
 import torch
 
 from engines.config import ModelConfig
@@ -61,8 +60,12 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     fresh = LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8), emb, emb)
     resumed = train(fresh, data, longer, val=data, run=Run(tmp_path / "ckpt"))
     assert resumed.step == 13 * 7
-    assert json.dumps(resumed.curve[: len(progress.curve)]) == json.dumps(progress.curve)  # (NaN: no loss yet)
+    assert resumed.curve[: len(progress.curve)] == progress.curve
     assert resumed.curve[-1]["val_loss"] <= after["val_loss"] * 1.5  # it kept the trained weights
+    # Another batch size would put the saved step at other data and another learning rate: refused.
+    other = TrainConfig(steps=3, lr=3e-3, epochs=7, batch_seqs=2)
+    with pytest.raises(ValueError, match="batch_seqs"):
+        train(fresh, data, other, run=Run(tmp_path / "ckpt"))
 
 
 def test_stop_after_checkpoints_mid_epoch_and_the_rest_matches_one_run(tmp_path):
@@ -90,3 +93,8 @@ def test_acceptance_by_step_is_conditional():
     assert got["cond2"] == 2 / 3  # of those three, two accept step 2 (row 2's match at step 2 does not count)
     assert got["cond3"] == 1 / 2
     assert got["chain_tokens"] == 1 + 3 / 4 + 2 / 4 + 1 / 4
+    # Where the data did not go on with the matched token, the chain's later steps are not counted.
+    follows = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]], dtype=torch.bool)
+    got = acceptance_by_step(matches, follows)
+    assert got["cond1"] == 3 / 4 and got["cond2"] == 1 / 2 and got["cond3"] == 0.0
+    assert got["chain_tokens"] == pytest.approx(1 + 3 / 4 + 3 / 8)
