@@ -50,7 +50,7 @@ def curve_table(curve: list[dict[str, float]]) -> str:
             f"{int(p['step'])}",
             f"{int(p['tokens']):,}",
             f"{p['wall_s'] / 60:.1f}",
-            f"{p.get('train_loss', math.nan):.3f}",
+            f"{p['train_loss']:.3f}" if "train_loss" in p else "–",  # the untrained point has none
             f"{p.get('val_loss', math.nan):.3f}",
             *[f"{100 * p.get(f'cond{s}', math.nan):.1f}%" for s in steps],
             f"{p.get('chain_tokens', math.nan):.3f}",
@@ -103,3 +103,26 @@ def write_model_card(folder: str | Path, card: dict[str, Any], progress) -> Path
     path = folder / "README.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Plot several runs' learning curves in one figure and print them as one markdown table each."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="python -m engines.training.report --run lyanna=runs/lyanna --run ...")
+    ap.add_argument("--run", action="append", required=True, help="LABEL=RUN_FOLDER (its checkpoint/curve.jsonl)")
+    ap.add_argument("--out", required=True, help="the figure (.png)")
+    ap.add_argument("--title", default="")
+    args = ap.parse_args(argv)
+    curves = {}
+    for spec in args.run:
+        label, _, folder = spec.partition("=")
+        lines = (Path(folder) / "checkpoint" / "curve.jsonl").read_text().splitlines()
+        curves[label] = [json.loads(line) for line in lines]
+    plot_curves(curves, args.out, args.title)
+    for label, curve in curves.items():
+        print(f"\n{label}\n\n{curve_table(curve)}")
+
+
+if __name__ == "__main__":
+    main()
