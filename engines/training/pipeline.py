@@ -79,7 +79,9 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
                 source = sharegpt_examples(tokenizer, split, args.max_seq)
             else:
                 source = chat_file_examples(tokenizer, args.source, split, args.max_seq)
-        have = file.extend(_progress(source, num, len(have), f"{split} data"), num)
+        done = {e.id for e in have}
+        fresh = (e for e in source if e.id not in done)  # the bar counts only what is added
+        have = file.extend(_progress(fresh, num, len(have), f"{split} data"), num)
     cut = [Example(e.id, e.token_ids[: args.max_seq], e.loss_mask[: args.max_seq]) for e in have[:num]]
     return [e for e in cut if any(e.loss_mask[2:])]  # an answer token the drafter can learn to predict
 
