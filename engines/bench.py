@@ -7,7 +7,8 @@ Prompts are served in waves of `--batch-size` conversations submitted together. 
 configuration runs every wave, in rotating order, in one process, so machine noise hits all of them
 alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`, `eagle`, `lyanna`) or a
 Lyanna variant (`lyanna-no-resampling`, `lyanna-no-fusion`: re-sampled trees verified alone instead
-of fused, `lyanna-dense`: token info from the low-rank product instead of the hot-token table),
+of fused, `lyanna-dense`: token info from the low-rank product instead of the hot-token table,
+`lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
 `name@adaptive` runs it under the adaptive speculation policy (policies/speculation.py) with that
 tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
@@ -99,6 +100,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lyanna-no-resampling": ("lyanna", {"lyanna_resampling": False}),
     "lyanna-no-fusion": ("lyanna", {"lyanna_fusion": False}),
     "lyanna-dense": ("lyanna", {"lyanna_token_info_rows": 0}),
+    "lyanna-eager-draft": ("lyanna", {"draft_quantization": "none"}),
 }
 
 

@@ -74,7 +74,9 @@ def catch_up_pieces(engine: LLMEngine, requests: list[Request]) -> dict[str, Cal
 
     def forget() -> None:
         for st, n in zip(states, kept, strict=True):
-            st.keys, st.values = st.keys[:n], st.values[:n]
+            st.processed = n
+            if st.keys is not None:  # the eager layer's cache (the fused layer's is overwritten in place)
+                st.keys, st.values = st.keys[:n], st.values[:n]
 
     def batched() -> None:
         forget()

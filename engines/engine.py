@@ -130,6 +130,9 @@ class EngineConfig:
     lyanna_resampling: bool = True  # re-sample after rejections (Lyanna Algorithm 2)
     lyanna_token_info_rows: int = 1024  # hot tokens in the collapsed token-info table (0: dense low-rank product)
     lyanna_fusion: bool = True  # verify a re-sampled tree fused with the next draft (off: alone, instead)
+    # Lyanna's decoder layer: "auto" = int8 weights run in one call (kernels/fused_decoder.py) wherever the
+    # target runs its fused CPU decoder; "none" = the eager layer in the drafter's own dtype everywhere.
+    draft_quantization: str = "auto"
     # Hot paths (paged attention, tree walk, token-info expansion, KV commit): "auto" = Triton kernels on
     # CUDA and the PyTorch references on CPU; "triton" forces the kernels (CPU: TRITON_INTERPRET=1);
     # "torch" forces the references. One mode per process (kernels/dispatch.py); default: $LYANNA_KERNELS.
@@ -156,6 +159,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.kv_cache_dtype != "auto":
             parse_dtype(self.kv_cache_dtype)
+        if self.draft_quantization not in ("auto", "none"):
+            raise ValueError(f"draft_quantization must be 'auto' or 'none', not {self.draft_quantization!r}")
         if self.quantization not in (*QUANTIZATIONS, "auto"):
             raise ValueError(f"quantization must be one of {[*QUANTIZATIONS, 'auto']}, not {self.quantization!r}")
         if self.kernels not in KERNEL_MODES:
@@ -643,11 +648,22 @@ def _drafter_checkpoint(config: EngineConfig, kind: str) -> str:
 def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
     from engines.drafters.checkpoint import load_draft_model, token_info_table
     from engines.drafters.lyanna import LyannaDrafter
+    from engines.drafters.lyanna_model import fused_draft_layer
 
     checkpoint = _drafter_checkpoint(config, "lyanna")
     model = load_draft_model(checkpoint, engine, kind="lyanna")
     table = token_info_table(model, checkpoint, config.lyanna_token_info_rows)
-    return LyannaDrafter(model, table, resample=config.lyanna_resampling, fusion=config.lyanna_fusion)
+    fused = None
+    if config.draft_quantization == "auto" and engine.model.fused_decoder(engine.kv_cache, 1) is not None:
+        fused = fused_draft_layer(model, engine.kv_cache, config.max_num_seqs)
+    return LyannaDrafter(
+        model,
+        table,
+        resample=config.lyanna_resampling,
+        fusion=config.lyanna_fusion,
+        fused_layer=fused,
+        kv_cache=engine.kv_cache,
+    )
 
 
 def _eagle(config: EngineConfig, engine: LLMEngine) -> Drafter:

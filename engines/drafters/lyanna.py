@@ -14,6 +14,7 @@ by `on_verified`, so a proposal copies from the device to the host once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,10 @@ from engines.drafters.token_info_sampling import build_subtrees
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
+
+if TYPE_CHECKING:
+    from engines.kv_cache import PagedKVCache
+    from kernels.fused_decoder import FusedDraftLayer
 
 
 @dataclass
@@ -39,14 +44,11 @@ class _Resample:
 @dataclass
 class _State:
     hidden: list[torch.Tensor] = field(default_factory=list)  # H_0.. of the committed context, [hidden] each
-    keys: torch.Tensor | None = None  # [processed, heads, head_dim] draft-layer K over the context
+    processed: int = 0  # context positions whose draft-layer K/V are cached
+    # The eager layer's cache: [processed, heads, head_dim] K and V over the context (the fused layer keeps
+    # them in its paged cache instead).
+    keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
-
-    @property
-    def processed(self) -> int:
-        """Context positions whose draft-layer K/V are cached."""
-        return 0 if self.keys is None else self.keys.shape[0]
-
     last_out: torch.Tensor | None = None  # the layer's output at the last processed position
     logits: torch.Tensor | None = None  # [steps, vocab] raw draft logits of the last proposal
     pending: _Resample | None = None  # Algorithm 2's tree to build, fused into the next verification
@@ -66,8 +68,14 @@ class LyannaDrafter(Drafter):
         resample: bool = True,
         resample_threshold: int = 1,
         fusion: bool = True,
+        fused_layer: FusedDraftLayer | None = None,
+        kv_cache: PagedKVCache | None = None,
     ):
         self.model = model
+        # The layer in one call over a paged cache addressed by the target's block tables (kv_cache's), where
+        # the target runs its fused CPU decoder; else the eager layer over per-request K/V tensors.
+        self.fused_layer = fused_layer
+        self.kv_cache = kv_cache
         self.token_info = token_info_table or model.token_info
         self.resample = resample
         self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
@@ -82,7 +90,9 @@ class LyannaDrafter(Drafter):
         if start < len(st.hidden):  # recomputation after preemption: drop what follows
             del st.hidden[start:]
             if st.processed > start:
-                st.keys, st.values = st.keys[:start], st.values[:start]
+                st.processed = start
+                if st.keys is not None:
+                    st.keys, st.values = st.keys[:start], st.values[:start]
             st.last_out = None
         st.hidden.extend(hidden.to(self.model.embed.dtype).unbind(0))
 
@@ -126,6 +136,8 @@ class LyannaDrafter(Drafter):
         positions = [p for _, _, start, end in todo for p in range(start, end)]
         ids = torch.tensor([next_tokens, positions], device=device)  # one host-to-device copy
         x = m.fused_input(hidden, ids[0])
+        if self.fused_layer is not None:
+            return self._advance_fused(spans, todo, x)
         q, k, v = m._qkv(x, ids[1])
         k, v = m._expand_kv(k), m._expand_kv(v)
         outs, offset = [], 0
@@ -139,7 +151,7 @@ class LyannaDrafter(Drafter):
                 q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
             )
             outs.append(out.transpose(0, 1))
-            st.keys, st.values = keys, values
+            st.keys, st.values, st.processed = keys, values, end
             offset += n
         layer_out = m._finish(x, torch.cat(outs))
         offset = 0
@@ -147,6 +159,36 @@ class LyannaDrafter(Drafter):
             offset += end - start
             st.last_out = layer_out[offset - 1 : offset]
         return [end - start for _, _, start, end in spans]
+
+    def _advance_fused(self, spans, todo, x: torch.Tensor) -> list[int]:
+        """`_advance_contexts`' layer pass through the fused layer: the keys go to the paged cache."""
+        assert self.fused_layer is not None and self.kv_cache is not None
+        tables = [self.kv_cache.block_tables[req.request_id] for req, _, _, _ in todo]
+        firsts, counts = [start for _, _, start, _ in todo], [end - start for _, _, start, end in todo]
+        layer_out = self.model.norm(self.fused_layer(x, firsts, counts, tables).to(x.dtype))
+        offset = 0
+        for (_, st, _, end), n in zip(todo, counts, strict=True):
+            offset += n
+            st.processed, st.last_out = end, layer_out[offset - 1 : offset]
+        return [end - start for _, _, start, end in spans]
+
+    def _fused_trajectories(self, ready: list[tuple[int, Request, _State]], steps: int) -> torch.Tensor:
+        """`trajectories` through the fused layer ([B, steps, hidden]): the later steps' keys go to the
+        request's blocks past its context and to scratch blocks, overwritten when the context grows."""
+        assert self.fused_layer is not None and self.kv_cache is not None
+        fused, bs = self.fused_layer, self.fused_layer.block_size
+        h = torch.cat([st.last_out for _, _, st in ready])  # [B, hidden]
+        tables = []
+        for b, (_, req, st) in enumerate(ready):
+            own = self.kv_cache.block_tables[req.request_id][: -(-st.processed // bs)]
+            tables.append(own + fused.scratch(b))
+        traj = [h]
+        ones = [1] * len(ready)
+        for i in range(1, steps):
+            positions = [req.num_tokens - 2 + i for _, req, _ in ready]
+            h = self.model.norm(fused(h, positions, ones, tables).to(h.dtype))
+            traj.append(h)
+        return torch.stack(traj, dim=1)
 
     def _ready_states(self, requests: list[Request]) -> list[_State | None]:
         """`_context_ready` for several requests, their unread contexts read in one pass."""
@@ -177,6 +219,11 @@ class LyannaDrafter(Drafter):
         ready = [(i, req, st) for i, (req, st) in enumerate(zip(requests, states, strict=True)) if st is not None]
         out: list[torch.Tensor | None] = [None] * len(requests)
         if not ready:
+            return out
+        if self.fused_layer is not None:
+            stacked = self._fused_trajectories(ready, steps)
+            for b, (i, _, _) in enumerate(ready):
+                out[i] = stacked[b]
             return out
         m = self.model
         h = torch.cat([st.last_out for _, _, st in ready])  # [B, hidden]

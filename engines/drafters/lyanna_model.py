@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,10 @@ from engines.drafters.token_info import TokenInfoEmbedding
 from engines.model import MLP, RMSNorm, RotaryEmbedding, apply_rope
 from engines.parallel import ColumnParallelLinear, PackableLinear, RowParallelLinear, TensorParallel
 from kernels import onednn_linear
+from kernels.quantized_linear import QuantizedWeight, quantize_int8
+
+if TYPE_CHECKING:
+    from kernels.fused_decoder import FusedDraftLayer
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class LyannaDraftModel(nn.Module):
         self.lm_head_full = lm_head.detach()
         self.register_buffer("lm_head", self._head_rows(), persistent=False)  # [draft vocab, hidden]
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_quant: QuantizedWeight | None = None  # int8 rows of the head (fused_draft_layer)
         tp = TensorParallel()
         self.fuse = ColumnParallelLinear(2 * t.hidden_size, [t.hidden_size], tp, dtype)
         # Both fuse inputs are normalised first: target states are ~15x the embeddings' scale here.
@@ -152,6 +158,8 @@ class LyannaDraftModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Raw draft logits of hidden states, one GEMM for all steps ([n, hidden] -> [n, draft vocab] fp32).
         Column i is target token `d2t[i]` with a hot vocabulary, token i otherwise."""
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant.matmul(h, torch.float32)
         return onednn_linear.linear(h, self.lm_head, self.lm_head_packed).float()
 
     def prepack(self) -> None:
@@ -228,3 +236,23 @@ class LyannaDraftModel(nn.Module):
             h = self._finish(x, out.transpose(0, 1))
             traj.append(h)
         return torch.cat(traj)
+
+
+MAX_DRAFT_DEPTH = 64  # SpecParams' largest depth
+
+
+def fused_draft_layer(model: LyannaDraftModel, kv_cache, max_seqs: int) -> FusedDraftLayer:
+    """Quantize the drafter's projections and LM head to int8 (groups of 32, as the target's kernels take them)
+    and return its decoder layer in one call over a cache of one layer beside the target's `kv_cache`
+    (the same block tables)."""
+    from kernels.fused_decoder import FusedDraftLayer, LayerWeights
+
+    for linear in (model.fuse, model.qkv_proj, model.o_proj, model.mlp.gate_up_proj, model.mlp.down_proj):
+        linear.quantize("int8")
+    model.lm_head_quant = quantize_int8(model.lm_head)
+    layer = LayerWeights(model.input_norm.weight, model.post_attn_norm.weight, model.qkv_proj, model.o_proj,
+                         model.mlp.gate_up_proj, model.mlp.down_proj)  # fmt: skip
+    bs = kv_cache.block_size
+    scratch = -(-MAX_DRAFT_DEPTH // bs)  # the later draft steps' positions past a request's context blocks
+    return FusedDraftLayer(model.cfg.target, model.rotary, layer, kv_cache.num_blocks, bs, kv_cache.k.dtype,
+                           scratch, max_seqs)  # fmt: skip
