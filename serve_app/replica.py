@@ -68,6 +68,8 @@ class EngineSettings(BaseModel):
     # Target weights: auto = the GGUF's own int4 blocks for the embedded model in bf16 on CPU, else none
     quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
     enforce_eager: bool = False  # the target's eager layers at every step (no fused CPU decoder)
+    # Lyanna's layer: auto = int8 in one call where the target runs its fused CPU decoder; none = eager
+    draft_quantization: Literal["auto", "none"] = "auto"
 
     def placement_bundles(self) -> list[dict[str, float]]:
         """One resource bundle per tensor-parallel rank: the replica runs in the first, its ranks 1..N-1
