@@ -225,6 +225,8 @@ class FusedDraftLayer:
 
     def scratch(self, b: int) -> list[int]:
         """The scratch block ids of a call's sequence `b`."""
+        if not 0 <= b < self.max_seqs:
+            raise ValueError(f"a draft call holds at most {self.max_seqs} sequences (max_num_seqs), not {b + 1}")
         first = self.num_blocks + b * self.scratch_per_seq
         return list(range(first, first + self.scratch_per_seq))
 
