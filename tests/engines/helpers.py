@@ -1,7 +1,10 @@
-"""Small helpers the engine tests share: a KV cache for a model, one-sequence forwards over it, and
-randomly initialised draft-model checkpoints."""
+"""Small helpers the engine tests share: a KV cache for a model, one-sequence forwards over it, a tiny
+random target checkpoint, and randomly initialised draft-model checkpoints."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -9,6 +12,7 @@ from engines.attention import SequenceLayout, build_attention_metadata
 from engines.drafters.checkpoint import save_draft_model
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.kv_cache import PagedKVCache
+from engines.loader import resolve_checkpoint
 from engines.model import LlamaModel
 
 
@@ -44,3 +48,26 @@ def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder)
     cfg = LyannaConfig(engine.model_config, token_info_rank=8)
     save_draft_model(model_class(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data), folder)
     return str(folder)
+
+
+def tiny_llama_checkpoint(folder: Path, vocab_size: int, max_positions: int) -> Path:
+    """A seeded random 2-layer Llama (GQA: 4 query heads over 2 KV heads, hidden 64) saved in `folder`, with
+    the embedded model's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (resolve_checkpoint() / name).exists():
+            shutil.copy(resolve_checkpoint() / name, folder / name)
+    return folder

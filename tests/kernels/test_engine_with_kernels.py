@@ -4,20 +4,18 @@ and seeded sampled outputs equal plain decoding; the KV blocks all come back."""
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engines.drafters.checkpoint import save_draft_model, save_hot_tokens
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
-from engines.loader import resolve_checkpoint
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from kernels import dispatch
+from tests.engines.helpers import tiny_llama_checkpoint
 
 pytest.importorskip("triton")
 VOCAB = 512
@@ -29,23 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
     """A 2-layer random Llama (GQA: 4 query heads over 2 KV heads) with the embedded model's tokenizer."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (resolve_checkpoint() / name).exists():
-            shutil.copy(resolve_checkpoint() / name, folder / name)
-    return str(folder)
+    return str(tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-target"), vocab_size=VOCAB, max_positions=1024))
 
 
 def engine(target: str, kernels: str, drafter: str = "none", draft: str | None = None) -> LLMEngine:

@@ -4,7 +4,6 @@ two Ray Train CPU workers on a tiny target, with learning, resuming and a drafte
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.training.pipeline import main
+from tests.engines.helpers import tiny_llama_checkpoint
 
 PROMPTS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -21,27 +21,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, checkpoint):
+def tiny_target(tmp_path_factory):
     """A randomly initialised two-layer Llama checkpoint folder with the embedded model's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    folder = tmp_path_factory.mktemp("tiny-target")
-    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (checkpoint / name).exists():
-            shutil.copy(checkpoint / name, folder / name)
-    return folder
+    return tiny_llama_checkpoint(tmp_path_factory.mktemp("tiny-target"), vocab_size=49152, max_positions=512)
 
 
 def _state(out):
