@@ -3,6 +3,9 @@
     python -m engines.training --kind lyanna --source sharegpt --num 2000 --out runs/lyanna
     python -m engines.training --model path/to/llama --source chats.jsonl --workers 4 --out runs/mine
 
+    python -m engines.training --kind lyanna --num 17671 --skip 8000 --init-from runs/lyanna/checkpoint \
+        --out runs/lyanna-more    # go on training a drafter on conversations it has not seen
+
 Stages, each resumable from what `--out` already holds (run the same command again to continue):
 1. data: conversations of the train and validation splits rendered with the target's chat template
    (`sharegpt` as shipped, `self` = the target's own answers, or a JSONL file of chats), kept in
@@ -18,6 +21,7 @@ Stages, each resumable from what `--out` already holds (run the same command aga
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import shlex
@@ -28,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from engines.drafters.checkpoint import new_draft_model, save_hot_tokens
+from engines.drafters.checkpoint import new_draft_model, read_config, save_hot_tokens
 from engines.drafters.lyanna_model import LyannaConfig
 from engines.drafters.token_info import tokens_by_frequency
 from engines.training.data import (
@@ -59,6 +64,8 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
     those with an answer token inside the training window."""
     file = ExampleFile(out / "data" / f"{split}.jsonl")
     have = file.read()
+    skip = args.skip if split == "train" else 0
+    num = max(0, num - skip)
     if len(have) < num:
         from engines.engine import EngineConfig, LLMEngine
 
@@ -80,6 +87,7 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
             else:
                 source = chat_file_examples(tokenizer, args.source, split, args.max_seq)
         done = {e.id for e in have}
+        source = itertools.islice(source, skip, None)  # the source's order is fixed: skip the first ones
         fresh = (e for e in source if e.id not in done)  # the bar counts only what is added
         have = file.extend(_progress(fresh, num, len(have), f"{split} data"), num)
     cut = [Example(e.id, e.token_ids[: args.max_seq], e.loss_mask[: args.max_seq]) for e in have[:num]]
@@ -124,6 +132,8 @@ def build(recipe: dict[str, Any]):
     frozen = load_model(recipe["model"], "float32", device, quantization="none").model  # embedding, head, norm
     torch.manual_seed(recipe["train"]["seed"])  # the same initial drafter on every worker and every run
     model = new_drafter(recipe, frozen).to(device)
+    if recipe["init_from"]:  # fine-tuning: an earlier drafter's weights (a run checkpoint, if any, wins later)
+        model.load_state_dict(load_file(str(Path(recipe["init_from"]) / "model.safetensors")), strict=True)
     out = Path(recipe["out"])
     target = None
     if recipe["features"] != "store":
@@ -167,6 +177,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--source", default="sharegpt", help="'sharegpt', 'self' (the target's answers) or a chats .jsonl")
     ap.add_argument("--num", type=int, default=2000, help="training conversations")
     ap.add_argument("--val-num", type=int, default=64, help="held-out conversations")
+    ap.add_argument(
+        "--skip", type=int, default=0, help="leave out the source's first N training conversations (of --num)"
+    )
+    ap.add_argument(
+        "--init-from", default=None, help="a drafter checkpoint of --kind to start from (fine-tuning), else random"
+    )
     ap.add_argument("--out", required=True, help="run folder (rerun the command to resume)")
     ap.add_argument("--features", choices=["auto", "store", "on-the-fly"], default="auto")
     ap.add_argument("--workers", type=int, default=0, help="Ray Train workers (0: train in this process)")
@@ -185,6 +201,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def init_drafter_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The `--init-from` drafter's hot vocabulary and training record, with its architecture switches
+    copied onto `args` (a fine-tuned drafter keeps its shape); None without `--init-from`."""
+    if not args.init_from:
+        return None
+    meta = read_config(args.init_from)
+    if meta.get("kind", "lyanna") != args.kind:
+        raise SystemExit(f"--init-from {args.init_from} holds a {meta.get('kind')!r} drafter, not {args.kind!r}")
+    draft = meta.get("draft", {})
+    args.rank = draft.get("token_info_rank", args.rank)
+    args.no_fusion = not draft.get("use_fusion", True)
+    args.no_token_info = not draft.get("use_token_info", True)
+    args.draft_vocab = draft.get("draft_vocab") or 0
+    d2t = load_file(str(Path(args.init_from) / "model.safetensors")).get("d2t")
+    record = {k: meta[k] for k in ("data", "command", "init_from") if k in meta}
+    curve = Path(args.init_from) / "curve.jsonl"
+    if curve.exists() and curve.read_text().strip():  # how far it had trained
+        record["tokens"] = json.loads(curve.read_text().strip().splitlines()[-1])["tokens"]
+    return {"hot_tokens": None if d2t is None else d2t.tolist(), "card": {"checkpoint": args.init_from} | record}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every stage; print and return the final validation point."""
     args = parse_args(argv)
@@ -201,12 +238,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if before != (args.workers or 1):
             raise SystemExit(f"{out} was trained with {before} worker(s): resume it with --workers {before}")
     counts = answer_token_counts(train_ex)
+    init = init_drafter_settings(args)
     vocab = args.draft_vocab or None
     from engines.loader import load_model
 
     device = "cuda" if args.gpu else "cpu"
     target = load_model(args.model, args.dtype, device, quantization=args.quantization)
     hot = hot_vocabulary(counts, vocab, target.config.vocab_size) if vocab else None
+    if init is not None:  # the earlier drafter's head rows, so its weights keep their meaning
+        hot = init["hot_tokens"]
     workers = max(1, args.workers)
     rates: dict[str, float] = {}
     recipe = {
@@ -223,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "draft_vocab": vocab,
         },
         "hot_tokens": hot,
+        "init_from": str(Path(args.init_from).resolve()) if args.init_from else None,
         "out": str(out.resolve()),
         "train_ids": [e.id for e in train_ex],
         "val_ids": [e.id for e in val_ex],
@@ -265,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "data": summary,
         "features": {"mode": plan.mode, "reason": plan.reason, "rates_tokens_per_s": rates},
         "workers": args.workers or 1,
+        "init_from": init and init["card"],
         "command": "python -m engines.training " + shlex.join(sys.argv[1:] if argv is None else argv),
     }
     if args.workers:

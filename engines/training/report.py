@@ -59,6 +59,19 @@ def curve_table(curve: list[dict[str, float]]) -> str:
     return "\n".join(rows)
 
 
+def earlier_training(init: dict[str, Any] | None) -> list[str]:
+    """Model-card lines for the drafters a fine-tuned one started from (`--init-from`), nearest first."""
+    lines = []
+    while init:
+        data = init.get("data", {})
+        lines.append(
+            f"- started from `{init.get('checkpoint')}`: {init.get('tokens', 0):,} training tokens on "
+            f"{data.get('train_examples', 0):,} {data.get('source', '')} conversations (`{init.get('command', '')}`)"
+        )
+        init = init.get("init_from")
+    return lines
+
+
 def write_model_card(folder: str | Path, card: dict[str, Any], progress) -> Path:
     """README.md of a drafter checkpoint: what it drafts for, what it was trained on, how, and how well
     (`progress`: the run's `train_drafter.Progress`)."""
@@ -86,6 +99,7 @@ def write_model_card(folder: str | Path, card: dict[str, Any], progress) -> Path
         f"{progress.wall_s / 60:.1f} min wall on {card.get('workers', 1)} worker(s)",
         f"- settings: `{json.dumps(card.get('train', {}))}`",
         f"- command: `{card.get('command', '')}`",
+        *earlier_training(card.get("init_from")),
         "",
         f"## Validation (held-out split, greedy chains, at step {int(last.get('step', 0)):,})",
         "",

@@ -88,3 +88,30 @@ def test_trained_drafter_serves_losslessly_and_feature_modes_agree(tmp_path):
     spec = spec_engine.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_engine.stats().spec.num_steps > 0
+
+
+@pytest.mark.slow
+def test_fine_tuning_starts_from_a_drafter_on_conversations_it_has_not_seen(tmp_path):
+    """`--init-from` starts from a trained drafter (its weights, head rows and shape) and `--skip` leaves
+    out the conversations it was trained on; the model card says where it started."""
+    common = ["--val-num", "2", "--max-seq", "128", "--batch-seqs", "2", "--eval-every", "2", "--features", "store"]
+    first, tuned = tmp_path / "first", tmp_path / "tuned"
+    before = main([*common, "--num", "6", "--draft-vocab", "1024", "--out", str(first)])
+    main([*common, "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"), "--out", str(tuned)])
+
+    def ids(run, split):
+        return {json.loads(line)["id"] for line in (run / "data" / f"{split}.jsonl").read_text().splitlines()}
+
+    assert len(ids(tuned, "train")) == 6 and not ids(tuned, "train") & ids(first, "train")
+    assert ids(tuned, "val") == ids(first, "val")
+    # Step 0 of the fine-tuning run evaluates the first run's final weights on the same held-out data.
+    start = json.loads((tuned / "checkpoint" / "curve.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and start["val_loss"] == pytest.approx(before["val_loss"], rel=1e-5)
+    weights = {run: load_file(str(run / "checkpoint" / "model.safetensors")) for run in (first, tuned)}
+    assert torch.equal(weights[first]["d2t"], weights[tuned]["d2t"])  # the head keeps its 1,024 rows
+    assert not torch.equal(weights[first]["fuse.weight"], weights[tuned]["fuse.weight"])  # and it trained
+    card = (tuned / "checkpoint" / "README.md").read_text()
+    assert f"started from `{first / 'checkpoint'}`" in card
+    with pytest.raises(SystemExit, match="holds a 'lyanna' drafter"):
+        main([*common, "--kind", "eagle", "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"),
+              "--out", str(tmp_path / "wrong")])  # fmt: skip
