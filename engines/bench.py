@@ -8,7 +8,8 @@ configuration runs every wave, in rotating order, in one process, so machine noi
 alike. A configuration is a drafter name (`none`, `ngram`, `draft-model`, `eagle`, `lyanna`) or a
 Lyanna variant (`lyanna-no-resampling`, `lyanna-no-fusion`: re-sampled trees verified alone instead
 of fused, `lyanna-dense`: token info from the low-rank product instead of the hot-token table,
-`lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`),
+`lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`; and
+`eagle-eager-draft`, the same for EAGLE),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
 `name@adaptive` runs it under the adaptive speculation policy (policies/speculation.py) with that
 tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
@@ -101,6 +102,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lyanna-no-fusion": ("lyanna", {"lyanna_fusion": False}),
     "lyanna-dense": ("lyanna", {"lyanna_token_info_rows": 0}),
     "lyanna-eager-draft": ("lyanna", {"draft_quantization": "none"}),
+    "eagle-eager-draft": ("eagle", {"draft_quantization": "none"}),
 }
 
 

@@ -130,7 +130,7 @@ class EngineConfig:
     lyanna_resampling: bool = True  # re-sample after rejections (Lyanna Algorithm 2)
     lyanna_token_info_rows: int = 1024  # hot tokens in the collapsed token-info table (0: dense low-rank product)
     lyanna_fusion: bool = True  # verify a re-sampled tree fused with the next draft (off: alone, instead)
-    # Lyanna's decoder layer: "auto" = int8 weights run in one call (kernels/fused_decoder.py) wherever the
+    # Lyanna's and EAGLE's decoder layer: "auto" = int8 weights run in one call (kernels/fused_decoder.py) wherever the
     # target runs its fused CPU decoder; "none" = the eager layer in the drafter's own dtype everywhere.
     draft_quantization: str = "auto"
     # Hot paths (paged attention, tree walk, token-info expansion, KV commit): "auto" = Triton kernels on
@@ -648,29 +648,36 @@ def _drafter_checkpoint(config: EngineConfig, kind: str) -> str:
 def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
     from engines.drafters.checkpoint import load_draft_model, token_info_table
     from engines.drafters.lyanna import LyannaDrafter
-    from engines.drafters.lyanna_model import fused_draft_layer
 
     checkpoint = _drafter_checkpoint(config, "lyanna")
     model = load_draft_model(checkpoint, engine, kind="lyanna")
     table = token_info_table(model, checkpoint, config.lyanna_token_info_rows)
-    fused = None
-    if config.draft_quantization == "auto" and engine.model.fused_decoder(engine.kv_cache, 1) is not None:
-        fused = fused_draft_layer(model, engine.kv_cache, config.max_num_seqs)
     return LyannaDrafter(
         model,
         table,
         resample=config.lyanna_resampling,
         fusion=config.lyanna_fusion,
-        fused_layer=fused,
+        fused_layer=_fused_draft_layer(config, engine, model),
         kv_cache=engine.kv_cache,
     )
+
+
+def _fused_draft_layer(config: EngineConfig, engine: LLMEngine, model):
+    """The drafter's layer in one int8 call where the target runs its fused CPU decoder and
+    `draft_quantization` allows it; else None (the eager layer)."""
+    from engines.drafters.lyanna_model import fused_draft_layer
+
+    if config.draft_quantization == "auto" and engine.model.fused_decoder(engine.kv_cache, 1) is not None:
+        return fused_draft_layer(model, engine.kv_cache, config.max_num_seqs)
+    return None
 
 
 def _eagle(config: EngineConfig, engine: LLMEngine) -> Drafter:
     from engines.drafters.checkpoint import load_draft_model
     from engines.drafters.eagle import EagleDrafter
 
-    return EagleDrafter(load_draft_model(_drafter_checkpoint(config, "eagle"), engine, kind="eagle"))
+    model = load_draft_model(_drafter_checkpoint(config, "eagle"), engine, kind="eagle")
+    return EagleDrafter(model, _fused_draft_layer(config, engine, model), engine.kv_cache)
 
 
 DRAFTERS = {"none": None, "ngram": _ngram, "draft-model": _draft_model, "lyanna": _lyanna, "eagle": _eagle}

@@ -218,6 +218,7 @@ class FusedDraftLayer:
                  dtype: torch.dtype, scratch_per_seq: int, max_seqs: int):  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_per_seq, self.max_seqs = scratch_per_seq, max_seqs
+        self._build = (cfg, rotary, layer)
         slots = (num_blocks + scratch_per_seq * max_seqs) * block_size
         shape = (1, slots, cfg.num_kv_heads, cfg.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
@@ -229,6 +230,23 @@ class FusedDraftLayer:
             raise ValueError(f"a draft call holds at most {self.max_seqs} sequences (max_num_seqs), not {b + 1}")
         first = self.num_blocks + b * self.scratch_per_seq
         return list(range(first, first + self.scratch_per_seq))
+
+    def reserve(self, seqs: int) -> None:
+        """Make room for scratch blocks of `seqs` sequences (a tree's frontier paths), keeping the cache."""
+        if seqs <= self.max_seqs:
+            return
+        cfg, rotary, layer = self._build
+        kept = self.num_blocks + self.scratch_per_seq * self.max_seqs
+        slots = (self.num_blocks + self.scratch_per_seq * seqs) * self.block_size
+        k, v = (t.new_zeros((1, slots, *t.shape[2:])) for t in (self.k, self.v))
+        k[:, : kept * self.block_size], v[:, : kept * self.block_size] = self.k, self.v
+        self.k, self.v, self.max_seqs = k, v, seqs
+        self._layers = _Layers(cfg, rotary.cos, rotary.sin, [layer], self.k, self.v, self.block_size)
+
+    def block_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the K and V cache as [blocks, block_size, kv_heads, head_dim], for block copies."""
+        shape = (-1, self.block_size, *self.k.shape[2:])
+        return self.k[0].view(shape), self.v[0].view(shape)
 
     def __call__(
         self, x: torch.Tensor, positions: list[int], counts: list[int], tables: list[list[int]]

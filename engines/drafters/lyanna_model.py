@@ -253,6 +253,8 @@ def fused_draft_layer(model: LyannaDraftModel, kv_cache, max_seqs: int) -> Fused
     layer = LayerWeights(model.input_norm.weight, model.post_attn_norm.weight, model.qkv_proj, model.o_proj,
                          model.mlp.gate_up_proj, model.mlp.down_proj)  # fmt: skip
     bs = kv_cache.block_size
-    scratch = -(-MAX_DRAFT_DEPTH // bs)  # the later draft steps' positions past a request's context blocks
+    # The later draft steps' positions past a request's full context blocks (a copy of its partial last
+    # block, then up to MAX_DRAFT_DEPTH positions: EAGLE's frontier paths).
+    scratch = -(-(MAX_DRAFT_DEPTH + bs - 1) // bs)
     return FusedDraftLayer(model.cfg.target, model.rotary, layer, kv_cache.num_blocks, bs, kv_cache.k.dtype,
                            scratch, max_seqs)  # fmt: skip

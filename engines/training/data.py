@@ -164,9 +164,11 @@ def self_distilled_examples(
     max_prompt_chars: int = 2000,
     val_fraction: float = 0.02,
     skip: Iterable[str] = (),
+    skip_first: int = 0,
 ) -> Iterator[Example]:
     """The target's own answers to the first user turn of ShareGPT conversations of one split
-    (conversation ids in `skip` were answered before and are passed over)."""
+    (conversation ids in `skip` were answered before and are passed over, and so are the split's first
+    `skip_first` usable prompts)."""
     from engines.sampling import SamplingParams
 
     skip = set(skip)
@@ -191,6 +193,9 @@ def self_distilled_examples(
         if rec["id"] in skip:
             continue
         if not 0 < len(msgs[0]["content"]) <= max_prompt_chars:
+            continue
+        if skip_first > 0:
+            skip_first -= 1
             continue
         pending.append((rec["id"], msgs[:1]))
         made += 1

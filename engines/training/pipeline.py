@@ -75,8 +75,9 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
             )
             log.info("self-distilling %d %s answers", num - len(have), split)
             source = self_distilled_examples(
-                engine, split, num - len(have), args.max_new_tokens, args.gen_batch, skip={e.id for e in have}
+                engine, split, num - len(have), args.max_new_tokens, args.gen_batch, {e.id for e in have}, skip
             )
+            skip = 0  # the prompts were skipped before generating
         else:
             from engines.loader import resolve_checkpoint
             from engines.tokenizer import Tokenizer

@@ -1,6 +1,7 @@
-"""Lyanna's decoder layer in one call (kernels/fused_decoder.py: FusedDraftLayer) in the served configuration:
-the embedded model (bf16, the GGUF's int4 blocks, the fused decoder) with the shipped Lyanna, whose
-projections and LM head run int8 over a paged cache addressed by the target's block tables."""
+"""The drafters' decoder layer in one call (kernels/fused_decoder.py: FusedDraftLayer) in the served
+configuration: the embedded model (bf16, the GGUF's int4 blocks, the fused decoder) with the shipped Lyanna
+and EAGLE, whose projections and LM head run int8 over a paged cache addressed by the target's block tables
+(EAGLE's frontier nodes each over a path of scratch blocks)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from engines.drafters import eagle
 from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import PackableLinear
 from engines.request import Request
@@ -130,3 +132,82 @@ def test_draft_quantization_none_keeps_the_eager_layer():
     assert engine.drafter.states[reqs[0].request_id].keys is not None
     with pytest.raises(ValueError, match="draft_quantization"):
         EngineConfig(draft_quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def eagle_engine() -> LLMEngine:
+    engine = served_engine(drafter="eagle")
+    assert engine.drafter.fused_layer is not None and engine.drafter.model.lm_head_quant is not None
+    return engine
+
+
+def expanded_nodes(tree, depth: int) -> list[int]:
+    """The nodes at `depth` that have children, in index order (the frontier that ran at depth + 1)."""
+    return sorted({p for p in tree.parents if p >= 0 and tree.depths[p] == depth})
+
+
+def path_tokens(tree, node: int) -> list[int]:
+    path = []
+    while node > 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def test_eagle_frontier_nodes_attend_to_their_own_ancestors(eagle_engine, monkeypatch):
+    """Every frontier node's layer output, through its path of scratch blocks, is the drafter's layer
+    run on the chain from the root to that node (an fp32 eager copy of the same int8 weights)."""
+    reqs = run_plain(eagle_engine, [CHAT_PROMPTS[3], LONG_PROMPT], steps=3)
+    drafter = eagle_engine.drafter
+    outputs: list[torch.Tensor] = []
+    forward = eagle._PagedFrontier.forward
+    monkeypatch.setattr(
+        eagle._PagedFrontier, "forward", lambda self, d, a, x: outputs.append(forward(self, d, a, x)) or outputs[-1]
+    )
+    k, depth = 2, 4
+    trees = drafter.grow_batch(reqs, [depth] * 2, [k] * 2)
+    assert len(outputs) == depth - 1
+    ref = eager_fp32_reference(drafter)
+    bs = eagle_engine.kv_cache.block_size
+    assert any(drafter.states[r.request_id].processed % bs for r in reqs)  # a partial last block was copied
+    for b, (req, tree) in enumerate(zip(reqs, trees, strict=True)):
+        T = req.num_tokens
+        hidden = torch.stack(drafter.states[req.request_id].hidden[: T - 1]).float()
+        context = req.token_ids(0, T)
+        for d in range(2, depth + 1):
+            nodes = expanded_nodes(tree, d - 1)
+            assert len(nodes) == k
+            for j, node in enumerate(nodes):
+                path = path_tokens(tree, node)
+                want = ref.draft_chain(hidden, torch.tensor(context + path), d)[-1]
+                got = outputs[d - 2][b * k + j].float()
+                err = (got - want).norm() / want.norm()
+                assert err < 0.02, (b, d, j, err)
+    finish(eagle_engine, reqs)
+
+
+def test_eagle_trees_do_not_depend_on_their_batch(eagle_engine):
+    reqs = run_plain(eagle_engine, [CHAT_PROMPTS[0], LONG_PROMPT, CHAT_PROMPTS[2]], steps=4)
+    drafter = eagle_engine.drafter
+    together = drafter.grow_batch(reqs, [3, 4, 2], [2, 2, 3])
+    for req, depth, k, tree in zip(reqs, [3, 4, 2], [2, 2, 3], together, strict=True):
+        alone = drafter.grow_batch([req], [depth], [k])[0]
+        assert (alone.tokens, alone.parents, alone.scores) == (tree.tokens, tree.parents, tree.scores)
+    finish(eagle_engine, reqs)
+
+
+def test_eagle_with_the_fused_layer_is_lossless_through_preemption():
+    """Greedy and seeded EAGLE trees over the paged frontier paths equal plain decoding, with preemptions."""
+    small = served_engine(drafter="eagle", num_kv_blocks=7, spec=SpecParams(depth=3, width=2, budget=6))
+    plain = served_engine(drafter="none")
+    for params in (
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+    ):
+        reqs = [small.add_request(p, params) for p in CHAT_PROMPTS[:3]]
+        while small.has_unfinished():
+            small.step()
+        want = plain.generate(CHAT_PROMPTS[:3], params)
+        assert [r.output_token_ids for r in reqs] == [w.token_ids for w in want]
+        assert sum(r.num_preemptions for r in reqs) > 0
+    assert small.stats().spec.num_accepted_tokens > 0
