@@ -68,7 +68,7 @@ class EngineSettings(BaseModel):
     # Target weights: auto = the GGUF's own int4 blocks for the embedded model in bf16 on CPU, else none
     quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
     enforce_eager: bool = False  # the target's eager layers at every step (no fused CPU decoder)
-    # Lyanna's layer: auto = int8 in one call where the target runs its fused CPU decoder; none = eager
+    # The drafter's layer (Lyanna, EAGLE): auto = int8 in one call where the target runs its fused decoder; none = eager
     draft_quantization: Literal["auto", "none"] = "auto"
 
     def placement_bundles(self) -> list[dict[str, float]]:
