@@ -2,8 +2,9 @@
 assistant-token loss masks, a deterministic train/validation split, and the target's last-layer
 hidden states written once to disk in resumable shards.
 
-Two sources: the dataset's own assistant turns (`sharegpt`), and `self`-distilled turns where the
-target answers the same first user turn (what the target actually says is what a drafter must
+Two sources: the dataset's own assistant turns (`sharegpt`, and `sharegpt-parts` for the records that
+continue a conversation split in parts), and `self`-distilled turns where the target answers the same
+first user turn (what the target actually says is what a drafter must
 predict). Target logits are not stored: they are `lm_head(hidden)`, recomputed from the frozen head.
 
     python -m engines.training.data --source self --split train --num 2000 --out data/self-train
@@ -72,14 +73,22 @@ def render(tokenizer: Tokenizer, conv_id: str, messages: list[dict[str, str]], m
     return Example(conv_id, ids[:max_len], mask[:max_len])
 
 
+CONTINUE_TURN = {"role": "user", "content": "Continue."}
+
+
 def sharegpt_examples(
-    tokenizer: Tokenizer, split: str, max_len: int = 1024, val_fraction: float = 0.02
+    tokenizer: Tokenizer, split: str, max_len: int = 1024, val_fraction: float = 0.02, parts: bool = False
 ) -> Iterator[Example]:
-    """ShareGPT conversations of one split with the dataset's assistant turns."""
+    """ShareGPT conversations of one split with the dataset's assistant turns.
+
+    With `parts`, instead the records that open with an assistant turn: the later parts of conversations
+    the dataset split in several records (a third of them), each behind a "Continue." user turn."""
     for rec in iter_sharegpt():
         if split_of(rec["id"], val_fraction) != split:
             continue
         msgs = sharegpt_messages(rec)
+        if parts:
+            msgs = [CONTINUE_TURN, *msgs] if msgs and msgs[0]["role"] == "assistant" else []
         if msgs and msgs[0]["role"] == "user":
             ex = render(tokenizer, rec["id"], msgs, max_len)
             if ex is not None:
@@ -316,7 +325,7 @@ def hot_token_counts(out_dir: str | Path) -> Counter:
 def main(argv: list[str] | None = None) -> None:
     """Prepare one split of drafter training data (resumable)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", choices=["sharegpt", "self"], default="self")
+    ap.add_argument("--source", choices=["sharegpt", "sharegpt-parts", "self"], default="self")
     ap.add_argument("--split", choices=["train", "val"], default="train")
     ap.add_argument("--num", type=int, default=2000, help="conversations to prepare")
     ap.add_argument("--max-len", type=int, default=1024, help="tokens per conversation at most (sharegpt)")
@@ -329,8 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     from engines.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size, drafter="none"))
-    if args.source == "sharegpt":
-        examples: Iterable[Example] = sharegpt_examples(engine.tokenizer, args.split, args.max_len)
+    if args.source != "self":
+        parts = args.source == "sharegpt-parts"
+        examples: Iterable[Example] = sharegpt_examples(engine.tokenizer, args.split, args.max_len, parts=parts)
     else:
         examples = self_distilled_examples(engine, args.split, args.num, args.max_new_tokens, args.batch_size)
     index = write_features(engine.model, examples, args.out, args.num)

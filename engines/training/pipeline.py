@@ -83,8 +83,8 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
             from engines.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(resolve_checkpoint(args.model))
-            if args.source == "sharegpt":
-                source = sharegpt_examples(tokenizer, split, args.max_seq)
+            if args.source in ("sharegpt", "sharegpt-parts"):
+                source = sharegpt_examples(tokenizer, split, args.max_seq, parts=args.source == "sharegpt-parts")
             else:
                 source = chat_file_examples(tokenizer, args.source, split, args.max_seq)
         done = {e.id for e in have}
@@ -175,7 +175,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=["lyanna", "eagle"], default="lyanna")
     ap.add_argument("--model", default=None, help="target: a Llama checkpoint folder or .gguf (default: embedded)")
-    ap.add_argument("--source", default="sharegpt", help="'sharegpt', 'self' (the target's answers) or a chats .jsonl")
+    ap.add_argument(
+        "--source",
+        default="sharegpt",
+        help="'sharegpt', 'sharegpt-parts' (its records that continue a conversation), 'self' (the target's "
+        "answers) or a chats .jsonl",
+    )
     ap.add_argument("--num", type=int, default=2000, help="training conversations")
     ap.add_argument("--val-num", type=int, default=64, help="held-out conversations")
     ap.add_argument(
