@@ -75,7 +75,13 @@ def prepare_examples(args: argparse.Namespace, split: str, num: int, out: Path) 
             )
             log.info("self-distilling %d %s answers", num - len(have), split)
             source = self_distilled_examples(
-                engine, split, num - len(have), args.max_new_tokens, args.gen_batch, {e.id for e in have}, skip
+                engine,
+                split,
+                num - len(have),
+                args.max_new_tokens,
+                args.gen_batch,
+                skip={e.id for e in have},
+                skip_first=skip,
             )
             skip = 0  # the prompts were skipped before generating
         else:

@@ -115,3 +115,19 @@ def test_fine_tuning_starts_from_a_drafter_on_conversations_it_has_not_seen(tmp_
     with pytest.raises(SystemExit, match="holds a 'lyanna' drafter"):
         main([*common, "--kind", "eagle", "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"),
               "--out", str(tmp_path / "wrong")])  # fmt: skip
+
+
+def test_self_distilled_data_skips_prompts_before_answering(tmp_path):
+    """`--source self --skip N` answers the split's prompts after the first N (none generated and thrown
+    away), with the served target's own greedy answers."""
+    from engines.training.data import ExampleFile, self_distilled_examples
+    from engines.training.pipeline import parse_args, prepare_examples
+
+    args = parse_args(["--source", "self", "--num", "3", "--skip", "1", "--max-new-tokens", "6", "--gen-batch", "2",
+                       "--max-seq", "256", "--out", str(tmp_path)])  # fmt: skip
+    got = prepare_examples(args, "train", args.num, tmp_path)
+    engine = LLMEngine(EngineConfig(drafter="none", max_num_seqs=2))
+    want = list(self_distilled_examples(engine, "train", 3, max_new_tokens=6, batch_size=2))
+    assert [e.id for e in got] == [e.id for e in want[1:]]
+    assert [e.token_ids for e in got] == [e.token_ids for e in want[1:]]
+    assert len(ExampleFile(tmp_path / "data" / "train.jsonl").read()) == 2
