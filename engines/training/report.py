@@ -119,8 +119,20 @@ def write_model_card(folder: str | Path, card: dict[str, Any], progress) -> Path
     return path
 
 
+def tokens_before(checkpoint: str | Path) -> int:
+    """Training tokens of the drafters a checkpoint was fine-tuned from (`--init-from`), 0 for a fresh one."""
+    path = Path(checkpoint) / "config.json"
+    init = json.loads(path.read_text()).get("init_from") if path.exists() else None
+    total = 0
+    while init:
+        total += int(init.get("tokens", 0))
+        init = init.get("init_from")
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Plot several runs' learning curves in one figure and print them as one markdown table each."""
+    """Plot several runs' learning curves in one figure and print them as one markdown table each; a
+    fine-tuned run's points sit at its training tokens plus those of the drafters it started from."""
     import argparse
 
     ap = argparse.ArgumentParser(description="python -m engines.training.report --run lyanna=runs/lyanna --run ...")
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.run:
         label, _, folder = spec.partition("=")
         lines = (Path(folder) / "checkpoint" / "curve.jsonl").read_text().splitlines()
-        curves[label] = [json.loads(line) for line in lines]
+        before = tokens_before(Path(folder) / "checkpoint")
+        curves[label] = [p | {"tokens": p["tokens"] + before} for p in map(json.loads, lines)]
     plot_curves(curves, args.out, args.title)
     for label, curve in curves.items():
         print(f"\n{label}\n\n{curve_table(curve)}")

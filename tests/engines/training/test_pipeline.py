@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.training.pipeline import main
+from engines.training.report import tokens_before
 from tests.engines.helpers import tiny_llama_checkpoint
 
 PROMPTS = [
@@ -112,6 +113,7 @@ def test_fine_tuning_starts_from_a_drafter_on_conversations_it_has_not_seen(tmp_
     assert not torch.equal(weights[first]["fuse.weight"], weights[tuned]["fuse.weight"])  # and it trained
     card = (tuned / "checkpoint" / "README.md").read_text()
     assert f"started from `{first / 'checkpoint'}`" in card
+    assert tokens_before(tuned / "checkpoint") == before["tokens"] > 0  # where its curve continues the first's
     with pytest.raises(SystemExit, match="holds a 'lyanna' drafter"):
         main([*common, "--kind", "eagle", "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"),
               "--out", str(tmp_path / "wrong")])  # fmt: skip
