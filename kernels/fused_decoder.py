@@ -227,14 +227,16 @@ class FusedDraftLayer:
     def scratch(self, b: int) -> list[int]:
         """The scratch block ids of a call's sequence `b`."""
         if not 0 <= b < self.max_seqs:
-            raise ValueError(f"a draft call holds at most {self.max_seqs} sequences (max_num_seqs), not {b + 1}")
+            raise ValueError(f"a draft call holds at most {self.max_seqs} sequences (reserved), not {b + 1}")
         first = self.num_blocks + b * self.scratch_per_seq
         return list(range(first, first + self.scratch_per_seq))
 
     def reserve(self, seqs: int) -> None:
-        """Make room for scratch blocks of `seqs` sequences (a tree's frontier paths), keeping the cache."""
+        """Make room for scratch blocks of `seqs` sequences (a tree's frontier paths), keeping the cache
+        (grown at least twofold, so a batch that grows step by step copies it rarely)."""
         if seqs <= self.max_seqs:
             return
+        seqs = max(seqs, 2 * self.max_seqs)
         cfg, rotary, layer = self._build
         kept = self.num_blocks + self.scratch_per_seq * self.max_seqs
         slots = (self.num_blocks + self.scratch_per_seq * seqs) * self.block_size

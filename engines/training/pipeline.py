@@ -218,20 +218,31 @@ def init_drafter_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     copied onto `args` (a fine-tuned drafter keeps its shape); None without `--init-from`."""
     if not args.init_from:
         return None
-    meta = read_config(args.init_from)
+    init = Path(args.init_from).resolve()
+    if init.is_relative_to(Path(args.out).resolve()):
+        raise SystemExit(f"--init-from {init} lies inside --out {args.out}: start from another run's drafter")
+    meta = read_config(init)
     if meta.get("kind", "lyanna") != args.kind:
-        raise SystemExit(f"--init-from {args.init_from} holds a {meta.get('kind')!r} drafter, not {args.kind!r}")
+        raise SystemExit(f"--init-from {init} holds a {meta.get('kind')!r} drafter, not {args.kind!r}")
     draft = meta.get("draft", {})
-    args.rank = draft.get("token_info_rank", args.rank)
-    args.no_fusion = not draft.get("use_fusion", True)
-    args.no_token_info = not draft.get("use_token_info", True)
-    args.draft_vocab = draft.get("draft_vocab") or 0
-    d2t = load_file(str(Path(args.init_from) / "model.safetensors")).get("d2t")
+    shape = {
+        "rank": draft.get("token_info_rank", args.rank),
+        "no_fusion": not draft.get("use_fusion", True),
+        "no_token_info": not draft.get("use_token_info", True),
+        "draft_vocab": draft.get("draft_vocab") or 0,
+    }
+    defaults = parse_args(["--out", args.out])
+    for name, value in shape.items():
+        if getattr(args, name) not in (value, getattr(defaults, name)):
+            flag = "--" + name.replace("_", "-")
+            log.warning("%s %s ignored: the --init-from drafter has %s", flag, getattr(args, name), value)
+        setattr(args, name, value)
+    d2t = load_file(str(init / "model.safetensors")).get("d2t")
     record = {k: meta[k] for k in ("data", "command", "init_from") if k in meta}
-    curve = Path(args.init_from) / "curve.jsonl"
+    curve = init / "curve.jsonl"
     if curve.exists() and curve.read_text().strip():  # how far it had trained
         record["tokens"] = json.loads(curve.read_text().strip().splitlines()[-1])["tokens"]
-    return {"hot_tokens": None if d2t is None else d2t.tolist(), "card": {"checkpoint": args.init_from} | record}
+    return {"hot_tokens": None if d2t is None else d2t.tolist(), "card": {"checkpoint": str(init)} | record}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
+    init = init_drafter_settings(args)  # before the data: a wrong --init-from fails at once
     train_ex = prepare_examples(args, "train", args.num, out)
     val_ex = prepare_examples(args, "val", args.val_num, out)
     if not train_ex or not val_ex:
@@ -250,7 +262,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if before != (args.workers or 1):
             raise SystemExit(f"{out} was trained with {before} worker(s): resume it with --workers {before}")
     counts = answer_token_counts(train_ex)
-    init = init_drafter_settings(args)
     vocab = args.draft_vocab or None
     from engines.loader import load_model
 

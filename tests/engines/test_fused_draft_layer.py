@@ -154,19 +154,23 @@ def path_tokens(tree, node: int) -> list[int]:
     return path[::-1]
 
 
-def test_eagle_frontier_nodes_attend_to_their_own_ancestors(eagle_engine, monkeypatch):
+def test_eagle_frontier_nodes_attend_to_their_own_ancestors(monkeypatch):
     """Every frontier node's layer output, through its path of scratch blocks, is the drafter's layer
-    run on the chain from the root to that node (an fp32 eager copy of the same int8 weights)."""
+    run on the chain from the root to that node (an fp32 eager copy of the same int8 weights). Width 3
+    at depth 4: a path is copied into another that is itself a parent; 6 paths grow scratch room made
+    for 2 sequences."""
+    eagle_engine = served_engine(drafter="eagle", max_num_seqs=2)
     reqs = run_plain(eagle_engine, [CHAT_PROMPTS[3], LONG_PROMPT], steps=3)
     drafter = eagle_engine.drafter
+    assert drafter.fused_layer.max_seqs == 2
     outputs: list[torch.Tensor] = []
     forward = eagle._PagedFrontier.forward
     monkeypatch.setattr(
         eagle._PagedFrontier, "forward", lambda self, d, a, x: outputs.append(forward(self, d, a, x)) or outputs[-1]
     )
-    k, depth = 2, 4
+    k, depth = 3, 4
     trees = drafter.grow_batch(reqs, [depth] * 2, [k] * 2)
-    assert len(outputs) == depth - 1
+    assert len(outputs) == depth - 1 and drafter.fused_layer.max_seqs >= 2 * k
     ref = eager_fp32_reference(drafter)
     bs = eagle_engine.kv_cache.block_size
     assert any(drafter.states[r.request_id].processed % bs for r in reqs)  # a partial last block was copied
@@ -183,7 +187,6 @@ def test_eagle_frontier_nodes_attend_to_their_own_ancestors(eagle_engine, monkey
                 got = outputs[d - 2][b * k + j].float()
                 err = (got - want).norm() / want.norm()
                 assert err < 0.02, (b, d, j, err)
-    finish(eagle_engine, reqs)
 
 
 def test_eagle_trees_do_not_depend_on_their_batch(eagle_engine):

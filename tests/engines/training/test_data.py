@@ -63,12 +63,11 @@ def test_sharegpt_examples_come_from_one_split(engine_fp32):
 
 def test_sharegpt_parts_are_the_records_that_continue_a_conversation(engine_fp32):
     """`parts` yields the records that open with an answer (later parts of a split conversation), behind a
-    "Continue." turn, and none of the records the default source yields."""
+    "Continue." turn."""
     tok = engine_fp32.tokenizer
     take = 8
     parts = [ex for _, ex in zip(range(take), sharegpt_examples(tok, "val", max_len=256, parts=True), strict=False)]
-    whole = {ex.id for ex in sharegpt_examples(tok, "val", max_len=256)}
-    assert len(parts) == take and not {ex.id for ex in parts} & whole
+    assert len(parts) == take
     first = tok.decode(parts[0].token_ids[: parts[0].loss_mask.index(1)])
     assert first.count("Continue.") == 1 and "assistant" in first.split("Continue.")[1]  # the answer follows it
     assert all(split_of(ex.id) == "val" and any(ex.loss_mask) for ex in parts)
