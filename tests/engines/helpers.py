@@ -50,19 +50,27 @@ def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder)
     return str(folder)
 
 
-def tiny_llama_checkpoint(folder: Path, vocab_size: int, max_positions: int) -> Path:
-    """A seeded random 2-layer Llama (GQA: 4 query heads over 2 KV heads, hidden 64) saved in `folder`, with
-    the embedded model's tokenizer and chat template."""
+def tiny_llama_checkpoint(
+    folder: Path,
+    vocab_size: int,
+    max_positions: int,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> Path:
+    """A seeded random Llama (by default 2 layers, GQA: 4 query heads over 2 KV heads, hidden 64; MLP twice
+    the hidden size) saved in `folder`, with the embedded model's tokenizer and chat template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
     )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from tests.conftest import CHAT_PROMPTS
+from tests.engines.helpers import tiny_llama_checkpoint
 
 MAX_NEW = 24
 
@@ -17,20 +16,8 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
     """A tiny random Llama over the target's 49152-token vocabulary."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny-draft")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    return str(tiny_llama_checkpoint(folder, 49152, 8192, hidden=32, layers=1, heads=2, kv_heads=1))
 
 
 def spec_engine(draft: str, spec: SpecParams) -> LLMEngine:
@@ -74,14 +61,6 @@ def test_tiny_random_draft_model_keeps_greedy_output(engine_fp32, tiny_draft):
 
 
 def test_draft_model_needs_the_target_vocabulary(tmp_path):
-    cfg = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tiny_llama_checkpoint(tmp_path, 100, 2048, hidden=32, layers=1, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="vocabulary"):
         spec_engine(str(tmp_path), SpecParams())
