@@ -481,9 +481,7 @@ class LLMEngine:
         verified: list[VerifyResult] = []
         if drafted:
             items = [
-                VerifyItem(
-                    s.draft, s.request.params, s.request.generator, s.request.seed, len(s.request.output_token_ids)
-                )
+                VerifyItem(s.draft, s.request.params, s.request.seed, len(s.request.output_token_ids))
                 for s, _ in drafted
             ]
             logits = torch.cat([result.seq_logits(b) for _, b in drafted])

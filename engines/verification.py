@@ -24,9 +24,12 @@ with an enumerating Rng and compute the law of their output exactly.
   with probability min(1, prod rho) instead of block verification's capped weight. It is NOT
   lossless (tests/engines/test_verification.py measures its drift); kept for comparison only.
 
-Stochastic chains compare the draft with q, so they cannot reuse the target's positional draw; they
-draw from the request's torch.Generator (as the draft-model drafter does when drafting), and their
-output is reproducible for a seed but not equal to the unspeculated one.
+Stochastic chains compare the draft with q, so they cannot reuse the target's positional draw. In
+`verify_batch` they run together in `verify_chains`, which makes the reference verifiers' decisions
+for all chains at once with counter-based random numbers keyed by (seed, the step's base position)
+in streams of their own (`chain_noise`). Their output is reproducible for a seed (the draft-model
+drafter draws the chain itself from the request's torch.Generator) but not equal to the unspeculated
+one.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Protocol
 import torch
 
 from engines.draft_tree import DraftTree
-from engines.positional_random import gumbel_noise, seed_to_int64
+from engines.positional_random import gumbel_noise, seed_to_int64, uniform_bits
 from engines.sampling import SamplingParams, processed_logprobs
 from kernels.dispatch import use_triton
 
@@ -219,18 +222,142 @@ CHAIN_VERIFIERS = {
 }
 
 
+# Stochastic chains draw in streams of their own: positions offset by these never meet plain
+# decoding's positional draws (output indices below 2**40).
+CHAIN_ACCEPT_STREAM = 1 << 40
+CHAIN_BONUS_STREAM = 2 << 40
+
+
+def chain_noise(seeds: torch.Tensor, bases: torch.Tensor, slots: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers of one stochastic-chain verification per row (seeds, bases: [R] int64): `slots`
+    uniforms in (0, 1) for its accept tests ([R, slots] float64) and Gumbel noise for its bonus draw
+    ([R, vocab] float32). A request's steps have distinct base positions (each emits a token), so no
+    two verifications of a request share numbers."""
+    bits = uniform_bits(seeds, bases + CHAIN_ACCEPT_STREAM, slots)
+    uniforms = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
+    return uniforms, gumbel_noise(seeds, bases + CHAIN_BONUS_STREAM, vocab)
+
+
+def verify_chains(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft: torch.Tensor,
+    lengths: torch.Tensor,
+    uniforms: torch.Tensor,
+    gumbel: torch.Tensor,
+    rule: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`CHAIN_VERIFIERS[rule]` for R stochastic chains at once, on the device, given their random numbers.
+
+    Chain r has lengths[r] draft tokens draft[r, :lengths[r]] ([R, G] int64, padded); target_probs and
+    draft_probs are [R, G + 1, vocab] (rows past a chain's end are ignored). The reference verifier's
+    k-th `rng.bernoulli(p)` of chain r is `uniforms[r, k] < p` ([R, >= G] float64 in (0, 1)), and its
+    `rng.categorical(w)` is argmax(log w + gumbel[r]): with independent uniforms and Gumbel noise these
+    are exact draws, and the decisions are the reference's. Returns the accepted counts [R] and the
+    bonus tokens [R], int64 on the device.
+    """
+    num, g_max = draft.shape
+    rows = torch.arange(num, device=draft.device)
+    steps = torch.arange(g_max, device=draft.device)
+    valid = steps[None, :] < lengths[:, None]
+    p_x = target_probs[:, :g_max].gather(2, draft[..., None])[..., 0]
+    q_x = draft_probs[:, :g_max].gather(2, draft[..., None])[..., 0]
+    u = uniforms[:, :g_max]
+    if rule == "rejection":
+        ratio = torch.where(q_x > 0, p_x / q_x, torch.ones_like(p_x)).clamp_max(1.0)
+        rejected = valid & ~(u < ratio)
+        accepted = torch.where(rejected.any(1), rejected.int().argmax(1), lengths)
+        p_row = target_probs[rows, accepted]
+        q_row = draft_probs[rows, accepted] * (accepted < lengths)[:, None]  # none once all are accepted
+        residual = (p_row - q_row).clamp_min(0)
+        weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row).double()
+    elif rule in ("block", "hsd-published-lossy"):
+        log_ratio = torch.where(valid, p_x.double().log() - q_x.double().log(), 0.0)
+        s = torch.cat([torch.zeros(num, 1, dtype=torch.float64, device=draft.device), log_ratio.cumsum(1)], 1)
+        w = torch.exp(s - torch.cummax(s.clamp_min(0), 1).values)  # w_t = min(1, w_{t-1} rho_t)
+        if rule == "block":
+            accept_all = w[rows, lengths]
+        else:  # LOSSY: the HSD paper's published rule
+            accept_all = torch.exp(s[rows, lengths]).clamp_max(1.0)
+        every = uniforms[:, 0] < accept_all
+        p = target_probs[:, :g_max].double()
+        res = (w[:, :g_max, None] * p - draft_probs[:, :g_max].double()).clamp_min(0)  # [R, G, vocab]
+        mass = res.sum(-1)
+        denom = mass + 1 - w[:, :g_max]
+        h = torch.where(denom > 0, mass / denom.clamp_min(1e-300), torch.ones_like(mass))
+        passed = valid & (steps[None, :] >= 1) & (u < h)  # tau = the last t >= 1 with U_t < h_t, else 0
+        tau = torch.where(passed.any(1), g_max - 1 - passed.flip(1).int().argmax(1), 0)
+        partial = torch.where(mass[rows, tau][:, None] > 0, res[rows, tau], p[rows, tau])
+        weights = torch.where(every[:, None], target_probs[rows, lengths].double(), partial)
+        accepted = torch.where(every, lengths, tau)
+    else:
+        raise ValueError(f"unknown chain verifier {rule!r}; choose one of {sorted(CHAIN_VERIFIERS)}")
+    bonus = (weights.log() + gumbel.double()).argmax(-1)
+    return accepted, bonus
+
+
+def _chain_arrays(items: list[VerifyItem], logits: torch.Tensor, offsets: list[int]) -> dict[str, torch.Tensor]:
+    """`verify_chains`' inputs for the stochastic chains `items`, whose nodes start at `offsets` in logits."""
+    device, vocab = logits.device, logits.shape[-1]
+    lengths = [it.tree.num_draft for it in items]
+    g_max = max(1, *lengths)
+    node_rows = [off + min(t, g) for off, g in zip(offsets, lengths, strict=True) for t in range(g_max + 1)]
+    params = [it.params for it in items for _ in range(g_max + 1)]
+    host = torch.tensor(
+        [
+            *node_rows,
+            *(x for it, g in zip(items, lengths, strict=True) for x in it.tree.tokens[1:] + [0] * (g_max - g)),
+            *lengths,
+            *(seed_to_int64(it.seed) for it in items),
+            *(it.base_position for it in items),
+        ],
+        dtype=torch.int64,
+    ).to(device, non_blocking=True)
+    node_rows_t, draft, lengths_t, seeds, bases = host.split([len(node_rows), len(items) * g_max, *[len(items)] * 3])
+    target = processed_logprobs(logits[node_rows_t], params).exp().view(len(items), g_max + 1, vocab)
+    q = torch.nn.utils.rnn.pad_sequence(
+        [it.tree.draft_probs[: g + 1].float() for it, g in zip(items, lengths, strict=True)], batch_first=True
+    ).to(device)
+    q = torch.nn.functional.pad(q, (0, 0, 0, g_max + 1 - q.shape[1]))
+    uniforms, gumbel = chain_noise(seeds, bases, g_max, vocab)
+    return {
+        "target_probs": target,
+        "draft_probs": q,
+        "draft": draft.view(len(items), g_max),
+        "lengths": lengths_t,
+        "uniforms": uniforms,
+        "gumbel": gumbel,
+    }
+
+
+def _chains_on_device(
+    items: list[VerifyItem], offsets: list[int], chains: list[int], logits: torch.Tensor, chain_verifier: str
+) -> torch.Tensor:
+    """The accepted counts then bonus tokens of the stochastic chains items[i] for i in `chains` (node
+    rows from offsets[i] in logits), [2 * len(chains)] int64 on the device."""
+    arrays = _chain_arrays([items[i] for i in chains], logits, [offsets[i] for i in chains])
+    accepted, bonus = verify_chains(**arrays, rule=chain_verifier)
+    return torch.cat([accepted, bonus])
+
+
+def chain_results(host: list[int]) -> list[VerifyResult]:
+    """`_chains_on_device`' output, copied to the host, as each chain's accepted path and bonus."""
+    num = len(host) // 2
+    return [VerifyResult(list(range(a + 1)), b) for a, b in zip(host[:num], host[num:], strict=True)]
+
+
 @dataclass
 class VerifyItem:
     """One request's draft and how to judge it.
 
-    `seed` and `base_position` fix the target's draws on deterministic trees at temperature > 0: a node
+    `seed` and `base_position` fix the target's draws at temperature > 0: on a deterministic tree a node
     at depth d draws with the noise of (seed, base_position + d), where base_position is the number of
-    output tokens the request had before this step. `generator` serves stochastic chains only.
+    output tokens the request had before this step; a stochastic chain's decisions use the noise of
+    `chain_noise(seed, base_position)`.
     """
 
     tree: DraftTree
     params: SamplingParams
-    generator: torch.Generator
     seed: int
     base_position: int
 
@@ -330,42 +457,38 @@ def verify_batch(
     logits: [sum of tree sizes, vocab] fp32, the requests' nodes concatenated in order. The tensor
     work runs once for the batch: argmax for greedy rows; for deterministic trees at temperature > 0
     the level-by-level walk of `walk_sampled_trees`, which draws only at the nodes it visits, with
-    the noise of (seed, base + depth). Both come to the host in one copy, with `also` (the step's
-    other sampled tokens, [M] int64 on the device), returned as a list beside the results. Stochastic
-    chains get their processed distributions and draw from their generator.
+    the noise of (seed, base + depth); for stochastic chains `verify_chains` with `chain_verifier`'s
+    rule. All come to the host in one copy, with `also` (the step's other sampled tokens, [M] int64 on
+    the device), returned as a list beside the results.
     """
     if use_triton(logits):
         return _verify_batch_walking(items, logits, chain_verifier, also)
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
     trees = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is None]
+    chains = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is not None]
     tree_offsets = [offsets[i] for i in trees]
     on_device = [logits.argmax(-1)]
     if trees:
         on_device.append(walk_sampled_trees([items[i] for i in trees], logits, tree_offsets).flatten())
-    extra = 0 if also is None else len(also)
+    if chains:
+        on_device.append(_chains_on_device(items, offsets, chains, logits, chain_verifier))
     if also is not None:
         on_device.append(also)
     host = torch.cat(on_device).tolist()  # the one host copy of the step's verification
-    also_host = host[len(host) - extra :]
-    host = host[: len(host) - extra]
-    greedy, walk = host[: len(logits)], host[len(logits) :]
-    walked: dict[int, VerifyResult] = {}
+    greedy, host = host[: len(logits)], host[len(logits) :]
+    walk_len = 2 * (max(items[i].tree.depth for i in trees) + 1) * len(trees) if trees else 0
+    walk, host = host[:walk_len], host[walk_len:]
+    chained, also_host = host[: 2 * len(chains)], host[2 * len(chains) :]
+    results: dict[int, VerifyResult] = dict(zip(chains, chain_results(chained), strict=True))
     if trees:
-        levels = len(walk) // (2 * len(trees))
-        by_tree = [[walk[k : k + levels], walk[k + levels : k + 2 * levels]] for k in range(0, len(walk), 2 * levels)]
-        walked = dict(zip(trees, walked_results(by_tree, tree_offsets), strict=True))
-    results = []
+        levels = walk_len // (2 * len(trees))
+        by_tree = [[walk[k : k + levels], walk[k + levels : k + 2 * levels]] for k in range(0, walk_len, 2 * levels)]
+        results.update(zip(trees, walked_results(by_tree, tree_offsets), strict=True))
     for i, it in enumerate(items):
         if it.params.greedy:
-            results.append(verify_greedy(it.tree, greedy[offsets[i] : offsets[i + 1]]))
-        elif it.tree.draft_probs is not None:
-            rows = torch.arange(offsets[i], offsets[i + 1], device=logits.device)
-            probs = processed_logprobs(logits[rows], [it.params] * sizes[i]).exp()
-            results.append(CHAIN_VERIFIERS[chain_verifier](it.tree, probs, TorchRng(it.generator)))
-        else:
-            results.append(walked[i])
-    return results, also_host
+            results[i] = verify_greedy(it.tree, greedy[offsets[i] : offsets[i + 1]])
+    return [results[i] for i in range(len(items))], also_host
 
 
 def _verify_batch_walking(
@@ -405,6 +528,9 @@ def _verify_batch_walking(
         largest = max(sizes[i] for i in walked)
         path, bonus = walk_trees(target[rows], tokens, parents, walk_off, levels, largest)
         on_device += [path.flatten(), bonus]
+    chains = sorted(set(range(len(items))) - set(walked))
+    if chains:
+        on_device.append(_chains_on_device(items, offsets, chains, logits, chain_verifier))
     if also is not None:
         on_device.append(also)
     host_out = torch.cat(on_device).tolist() if on_device else []  # the one host copy
@@ -412,10 +538,7 @@ def _verify_batch_walking(
     for r, i in enumerate(walked):
         nodes_r = host_out[r * levels : (r + 1) * levels]
         results[i] = VerifyResult([n for n in nodes_r if n >= 0], host_out[len(walked) * levels + r])
-    for i, it in enumerate(items):
-        if i not in results:
-            rows_i = torch.arange(offsets[i], offsets[i + 1], device=device)
-            probs = processed_logprobs(logits[rows_i], [it.params] * sizes[i]).exp()
-            results[i] = CHAIN_VERIFIERS[chain_verifier](it.tree, probs, TorchRng(it.generator))
-    also_host = host_out[len(walked) * (levels + 1) :]
+    host_out = host_out[len(walked) * (levels + 1) :]
+    results.update(zip(chains, chain_results(host_out[: 2 * len(chains)]), strict=True))
+    also_host = host_out[2 * len(chains) :]
     return [results[i] for i in range(len(items))], also_host

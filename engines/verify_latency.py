@@ -82,7 +82,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         trees = [random_tree(4, 2, 15, g) for _ in range(batch)]
         logits = torch.randn(sum(t.size for t in trees), VOCAB, generator=g) * 3
-        items = [VerifyItem(t, SamplingParams(temperature=0.7), g, i, 5) for i, t in enumerate(trees)]
+        items = [VerifyItem(t, SamplingParams(temperature=0.7), i, 5) for i, t in enumerate(trees)]
         walk, every = median_ms(
             functools.partial(verify_batch, items, logits),
             args.rounds,

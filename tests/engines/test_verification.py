@@ -272,7 +272,7 @@ def test_tree_verifier_monte_carlo_with_torch_rng():
 
 def test_verify_batch_equals_per_request_verifiers():
     from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs
-    from engines.verification import VerifyItem, verify_batch, verify_tree_sampled
+    from engines.verification import VerifyItem, chain_noise, verify_batch, verify_tree_sampled
 
     torch.manual_seed(3)
     vocab = 11
@@ -300,10 +300,11 @@ def test_verify_batch_equals_per_request_verifiers():
 
     for seed in range(20):
         items = [
-            VerifyItem(t, p, torch.Generator().manual_seed(seed), seed + 100 * k, base)
+            VerifyItem(t, p, seed + 100 * k, base)
             for k, (t, p, base) in enumerate(zip(trees, params, bases, strict=True))
         ]
         got, _ = verify_batch(items, logits)
+        uniforms, gumbel = chain_noise(torch.tensor([seed + 200]), torch.tensor([bases[2]]), 2, vocab)
 
         want = [
             verify_greedy(trees[0], rows[0].argmax(-1).tolist()),
@@ -311,7 +312,7 @@ def test_verify_batch_equals_per_request_verifiers():
             verify_chain_block(
                 trees[2],
                 processed_logprobs(rows[2], [params[2]] * 3).exp(),
-                TorchRng(torch.Generator().manual_seed(seed)),
+                ReplayRng(uniforms[0], gumbel[0]),
             ),
             verify_tree_sampled(trees[3], by_position(3, seed)),
         ]
@@ -329,11 +330,96 @@ def test_batched_sampling_rule_has_the_sequential_rules_law():
     want = exact_law(path_and_bonus(verify_tree, tree, probs))
     n = 3000
     params = SamplingParams(temperature=1.0)
-    items = [VerifyItem(tree, params, torch.Generator(), seed, 7) for seed in range(n)]
+    items = [VerifyItem(tree, params, seed, 7) for seed in range(n)]
     logits = probs.float().log().repeat(n, 1)
     counts: dict[tuple, int] = defaultdict(int)
     for res in verify_batch(items, logits)[0]:
         counts[(tuple(res.path), res.bonus)] += 1
+    assert set(counts) <= set(want)
+    for key, p in want.items():
+        got = counts[key] / n
+        assert abs(got - p) <= 5 * (p * (1 - p) / n) ** 0.5 + 1e-9, (key, got, p)
+
+
+class ReplayRng:
+    """The decisions `verify_chains` makes from given numbers: the k-th bernoulli(p) is uniforms[k] < p,
+    and categorical(w) is argmax(log w + gumbel)."""
+
+    def __init__(self, uniforms: torch.Tensor, gumbel: torch.Tensor):
+        self.uniforms = uniforms.tolist()
+        self.gumbel = gumbel.double()
+        self.taken = 0
+
+    def bernoulli(self, p: float) -> bool:
+        u = self.uniforms[self.taken]
+        self.taken += 1
+        return u < p
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return int((probs.double().log() + self.gumbel).argmax())
+
+
+REFERENCE_CHAIN_VERIFIERS = {
+    "rejection": verify_chain_rejection,
+    "block": verify_chain_block,
+    "hsd-published-lossy": verify_chain_hsd_published_lossy,
+}
+
+
+@pytest.mark.parametrize("rule", sorted(REFERENCE_CHAIN_VERIFIERS))
+def test_batched_chain_verifiers_make_the_reference_decisions(rule):
+    """verify_chains over a padded batch of chains of lengths 1-4 equals the reference verifier run chain by
+    chain with the same random numbers, including targets that give a draft token probability 0."""
+    from engines.verification import verify_chains
+
+    g = torch.Generator().manual_seed(11)
+    vocab, num, g_max = 7, 8, 4
+    outcomes = set()
+    for _ in range(150):
+        lengths = torch.randint(1, g_max + 1, (num,), generator=g)
+        target_logits = torch.randn(num, g_max + 1, vocab, generator=g) * 2
+        target_logits[torch.rand(num, g_max + 1, vocab, generator=g) < 0.2] = -torch.inf  # filtered tokens
+        target_logits[..., 0] = 0.0  # every row keeps a token
+        target = target_logits.softmax(-1)
+        q = (torch.randn(num, g_max + 1, vocab, generator=g) * 2).softmax(-1)
+        draft = torch.multinomial(q[:, :g_max].reshape(-1, vocab), 1, generator=g).view(num, g_max)
+        uniforms = torch.rand(num, g_max, generator=g, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(torch.rand(num, vocab, generator=g)))
+        accepted, bonus = verify_chains(target, q, draft, lengths, uniforms, gumbel, rule)
+        for r in range(num):
+            n = int(lengths[r])
+            tree = DraftTree.chain(-1, draft[r, :n].tolist(), draft_probs=q[r, : n + 1])
+            want = REFERENCE_CHAIN_VERIFIERS[rule](tree, target[r, : n + 1], ReplayRng(uniforms[r], gumbel[r]))
+            assert (int(accepted[r]), int(bonus[r])) == (want.num_accepted, want.bonus), (rule, r)
+            outcomes.add((n, want.num_accepted))
+    assert {(4, 0), (4, 4), (3, 1)} <= outcomes  # rejected first, all accepted, and in between
+
+
+@pytest.mark.parametrize("rule", ["rejection", "block"])
+def test_batched_chain_verification_keeps_the_target_law(rule):
+    """verify_batch on stochastic chains, one seed per request: the frequencies of what a step emits over
+    many seeds (the chain drawn from q, then verified with the counter-based draws) match the exact
+    law of the reference verifier's step."""
+    from engines.sampling import SamplingParams
+    from engines.verification import VerifyItem, verify_batch
+
+    world = World(2)
+    want = exact_law(chain_step(world, REFERENCE_CHAIN_VERIFIERS[rule], ()))
+    n = 4000
+    params = SamplingParams(temperature=1.0)
+    items, logits = [], []
+    for seed in range(n):
+        gen = torch.Generator().manual_seed(seed)
+        draft: list[int] = []
+        for _ in range(GAMMA):
+            draft.append(int(torch.multinomial(world.q(tuple(draft)), 1, generator=gen)))
+        prefixes = [tuple(draft[:t]) for t in range(GAMMA + 1)]
+        tree = DraftTree.chain(-1, draft, draft_probs=torch.stack([world.q(pre) for pre in prefixes]).float())
+        items.append(VerifyItem(tree, params, seed, 5))
+        logits.append(torch.stack([world.p(pre) for pre in prefixes]).float().log())
+    counts: dict[tuple, int] = defaultdict(int)
+    for item, res in zip(items, verify_batch(items, torch.cat(logits), rule)[0], strict=True):
+        counts[(*(item.tree.tokens[i] for i in res.path[1:]), res.bonus)] += 1
     assert set(counts) <= set(want)
     for key, p in want.items():
         got = counts[key] / n

@@ -190,8 +190,7 @@ def test_verification_with_the_walk_kernel_equals_the_batched_reference(mode):
 
         def items(seed=seed):
             return [
-                VerifyItem(t, p, torch.Generator(device=DEVICE).manual_seed(seed), 1000 * seed + i, 3 * i)
-                for i, (t, p) in enumerate(zip(trees, params, strict=True))
+                VerifyItem(t, p, 1000 * seed + i, 3 * i) for i, (t, p) in enumerate(zip(trees, params, strict=True))
             ]
 
         mode("triton")
