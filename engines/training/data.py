@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import logging
+import os
 import time
 import zlib
 from collections import Counter
@@ -141,17 +142,27 @@ class ExampleFile:
                 break  # a line cut by an interruption: everything before it stands
         return out
 
+    def _has_cut_line(self, complete: int) -> bool:
+        """Whether the file holds more than its `complete` examples' lines (the rest of a cut one)."""
+        if not self.path.exists():
+            return False
+        text = self.path.read_text()
+        return len(text.splitlines()) > complete or (bool(text) and not text.endswith("\n"))
+
     def extend(self, examples: Iterable[Example], num: int) -> list[Example]:
         """Add examples (skipping ids already written) until the file holds `num`; returns them all."""
         have = self.read()
+        if len(have) >= num:
+            return have
         done = {e.id for e in have}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")  # rewritten without a cut last line, then swapped in whole
-        tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
-        tmp.replace(self.path)
+        if self._has_cut_line(len(have)):  # rewritten without the cut last line, then swapped in whole
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
+            tmp.replace(self.path)
+        # A file already complete (a source with fewer examples than `num`) is only read: several runs
+        # may share one data folder, e.g. Lyanna's and EAGLE's at an equal budget.
         with open(self.path, "a", encoding="utf-8") as f:
-            if len(have) >= num:
-                return have
             for ex in examples:  # stops as soon as it has enough (a source may be costly to draw from)
                 if ex.id in done:
                     continue

@@ -161,3 +161,20 @@ def test_example_file_resumes_after_a_cut_line(tmp_path):
     assert [e.id for e in got] == ["c0", "c1", "c2", "c3", "c4"]
     assert [e.id for e in file.read()] == ["c0", "c1", "c2", "c3", "c4"]
     assert seen == ["c0", "c1", "c2", "c3", "c4"]  # already-written ids are passed over, not duplicated
+
+
+def test_a_complete_example_file_is_only_read(tmp_path):
+    """A source with fewer examples than asked for leaves a complete file that later runs sharing the
+    data folder (Lyanna's and EAGLE's, started together) only read: nothing rewrites or swaps it, so
+    they cannot race on it. Two runs that did raced on a shared temporary file."""
+    from engines.training.data import ExampleFile
+
+    file = ExampleFile(tmp_path / "train.jsonl")
+    made = [Example(f"c{i}", [1, 2, 3, i], [0, 0, 1, 1]) for i in range(3)]
+    assert len(file.extend(iter(made), 10)) == 3  # the source ran out below num
+    before = file.path.stat()
+    again = file.extend(iter(made), 10)
+    after = file.path.stat()
+    assert [e.id for e in again] == ["c0", "c1", "c2"]
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
+    assert list(tmp_path.iterdir()) == [file.path]  # no temporary file left behind
