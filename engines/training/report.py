@@ -30,7 +30,8 @@ def plot_curves(curves: dict[str, list[dict[str, float]]], path: str | Path, tit
     loss_ax.set(xlabel="training tokens (millions)", ylabel="distillation loss", yscale="log")
     for ax in (acc_ax, tok_ax, loss_ax):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        entries = len(ax.get_legend_handles_labels()[1])
+        ax.legend(fontsize=7 if entries <= 8 else 5, ncol=1 + entries // 13)  # many runs: columns
     if title:
         fig.suptitle(title)
     fig.tight_layout()
