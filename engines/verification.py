@@ -27,9 +27,9 @@ with an enumerating Rng and compute the law of their output exactly.
 Stochastic chains compare the draft with q, so they cannot reuse the target's positional draw. In
 `verify_batch` they run together in `verify_chains`, which makes the reference verifiers' decisions
 for all chains at once with counter-based random numbers keyed by (seed, the step's base position)
-in streams of their own (`chain_noise`). Their output is reproducible for a seed (the draft-model
-drafter draws the chain itself from the request's torch.Generator) but not equal to the unspeculated
-one.
+in streams of their own (`chain_noise`). The draft-model drafter draws the chains themselves from the
+request's torch.Generator, so a seeded request's output is reproducible but not equal to the
+unspeculated one.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ CHAIN_VERIFIERS = {
 # Stochastic chains draw in streams of their own: positions offset by these never meet plain
 # decoding's positional draws (output indices below 2**40).
 CHAIN_ACCEPT_STREAM = 1 << 40
-CHAIN_BONUS_STREAM = 2 << 40
+CHAIN_BONUS_STREAM = 1 << 41
 
 
 def chain_noise(seeds: torch.Tensor, bases: torch.Tensor, slots: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,14 +280,19 @@ def verify_chains(
         else:  # LOSSY: the HSD paper's published rule
             accept_all = torch.exp(s[rows, lengths]).clamp_max(1.0)
         every = uniforms[:, 0] < accept_all
-        p = target_probs[:, :g_max].double()
-        res = (w[:, :g_max, None] * p - draft_probs[:, :g_max].double()).clamp_min(0)  # [R, G, vocab]
-        mass = res.sum(-1)
+
+        def residual(w_t: torch.Tensor, p_t: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+            return (w_t[:, None] * p_t.double() - q_t.double()).clamp_min(0)
+
+        # one [R, vocab] float64 residual at a time: all G at once would be G times the memory
+        mass = torch.stack([residual(w[:, t], target_probs[:, t], draft_probs[:, t]).sum(-1) for t in range(g_max)], 1)
         denom = mass + 1 - w[:, :g_max]
         h = torch.where(denom > 0, mass / denom.clamp_min(1e-300), torch.ones_like(mass))
         passed = valid & (steps[None, :] >= 1) & (u < h)  # tau = the last t >= 1 with U_t < h_t, else 0
         tau = torch.where(passed.any(1), g_max - 1 - passed.flip(1).int().argmax(1), 0)
-        partial = torch.where(mass[rows, tau][:, None] > 0, res[rows, tau], p[rows, tau])
+        p_tau = target_probs[rows, tau]
+        res_tau = residual(w[rows, tau], p_tau, draft_probs[rows, tau])
+        partial = torch.where(mass[rows, tau][:, None] > 0, res_tau, p_tau.double())
         weights = torch.where(every[:, None], target_probs[rows, lengths].double(), partial)
         accepted = torch.where(every, lengths, tau)
     else:
@@ -316,8 +321,9 @@ def _chain_arrays(items: list[VerifyItem], logits: torch.Tensor, offsets: list[i
     node_rows_t, draft, lengths_t, seeds, bases = host.split([len(node_rows), len(items) * g_max, *[len(items)] * 3])
     target = processed_logprobs(logits[node_rows_t], params).exp().view(len(items), g_max + 1, vocab)
     q = torch.nn.utils.rnn.pad_sequence(
-        [it.tree.draft_probs[: g + 1].float() for it, g in zip(items, lengths, strict=True)], batch_first=True
-    ).to(device)
+        [it.tree.draft_probs[: g + 1].to(device, torch.float32) for it, g in zip(items, lengths, strict=True)],
+        batch_first=True,
+    )
     q = torch.nn.functional.pad(q, (0, 0, 0, g_max + 1 - q.shape[1]))
     uniforms, gumbel = chain_noise(seeds, bases, g_max, vocab)
     return {
@@ -528,7 +534,7 @@ def _verify_batch_walking(
         largest = max(sizes[i] for i in walked)
         path, bonus = walk_trees(target[rows], tokens, parents, walk_off, levels, largest)
         on_device += [path.flatten(), bonus]
-    chains = sorted(set(range(len(items))) - set(walked))
+    chains = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is not None]
     if chains:
         on_device.append(_chains_on_device(items, offsets, chains, logits, chain_verifier))
     if also is not None:

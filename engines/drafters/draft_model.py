@@ -114,7 +114,7 @@ class DraftModelDrafter(Drafter):
         q_rows = [processed_logprobs(self._catch_up(req)[None].float(), [req.params]).exp()[0]]
         draft: list[int] = []
         for t in range(spec.depth):
-            # Drafting draws from the request's generator before verification draws from it.
+            # Drafting draws from the request's generator; verification has counter-based numbers of its own.
             draft.append(int(torch.multinomial(q_rows[-1], 1, generator=req.generator)))
             if t + 1 < spec.depth:
                 logits = self._logits(req, [draft[-1]], base + t)

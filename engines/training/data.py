@@ -13,6 +13,7 @@ predict). Target logits are not stored: they are `lm_head(hidden)`, recomputed f
 from __future__ import annotations
 
 import argparse
+import fcntl
 import itertools
 import json
 import logging
@@ -135,7 +136,7 @@ class ExampleFile:
         if not self.path.exists():
             return []
         out = []
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 out.append(Example(**json.loads(line)))
             except (json.JSONDecodeError, TypeError):
@@ -146,31 +147,37 @@ class ExampleFile:
         """Whether the file holds more than its `complete` examples' lines (the rest of a cut one)."""
         if not self.path.exists():
             return False
-        text = self.path.read_text()
+        text = self.path.read_text(encoding="utf-8")
         return len(text.splitlines()) > complete or (bool(text) and not text.endswith("\n"))
 
     def extend(self, examples: Iterable[Example], num: int) -> list[Example]:
-        """Add examples (skipping ids already written) until the file holds `num`; returns them all."""
-        have = self.read()
-        if len(have) >= num:
+        """Add examples (skipping ids already written) until the file holds `num`; returns them all.
+
+        Runs sharing a data folder (Lyanna's and EAGLE's at an equal budget) take turns: the file is
+        locked while one of them extends it, and a file already complete (a source with fewer examples
+        than `num`) is only read."""
+        if len(have := self.read()) >= num:
             return have
-        done = {e.id for e in have}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self._has_cut_line(len(have)):  # rewritten without the cut last line, then swapped in whole
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
-            tmp.replace(self.path)
-        # A file already complete (a source with fewer examples than `num`) is only read: several runs
-        # may share one data folder, e.g. Lyanna's and EAGLE's at an equal budget.
-        with open(self.path, "a", encoding="utf-8") as f:
-            for ex in examples:  # stops as soon as it has enough (a source may be costly to draw from)
-                if ex.id in done:
-                    continue
-                f.write(json.dumps(ex.__dict__) + "\n")
-                f.flush()
-                have.append(ex)
-                if len(have) >= num:
-                    break
+        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            have = self.read()  # what an earlier holder of the lock wrote
+            if len(have) >= num:
+                return have
+            done = {e.id for e in have}
+            if self._has_cut_line(len(have)):  # rewritten without the cut last line, then swapped in whole
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
+                tmp.replace(self.path)
+            with open(self.path, "a", encoding="utf-8") as f:
+                for ex in examples:  # stops as soon as it has enough (a source may be costly to draw from)
+                    if ex.id in done:
+                        continue
+                    f.write(json.dumps(ex.__dict__) + "\n")
+                    f.flush()
+                    have.append(ex)
+                    if len(have) >= num:
+                        break
         return have
 
 

@@ -177,4 +177,36 @@ def test_a_complete_example_file_is_only_read(tmp_path):
     after = file.path.stat()
     assert [e.id for e in again] == ["c0", "c1", "c2"]
     assert (after.st_ino, after.st_mtime_ns, after.st_size) == (before.st_ino, before.st_mtime_ns, before.st_size)
-    assert list(tmp_path.iterdir()) == [file.path]  # no temporary file left behind
+    assert sorted(tmp_path.iterdir()) == [file.path, tmp_path / "train.jsonl.lock"]  # no temporary file left
+
+
+def test_runs_sharing_an_example_file_take_turns(tmp_path):
+    """Two processes extending one file at once (a slow source, as self-distillation is) write each
+    example once, in whole lines: the second waits for the first and then finds the file complete."""
+    import multiprocessing
+
+    from engines.training.data import ExampleFile
+
+    path = tmp_path / "train.jsonl"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_extend_slowly, args=(path, 20)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    lines = path.read_text().splitlines()
+    assert [e.id for e in ExampleFile(path).read()] == [f"c{i}" for i in range(20)] and len(lines) == 20
+
+
+def _extend_slowly(path, num: int) -> None:
+    import time
+
+    from engines.training.data import ExampleFile
+
+    def source():
+        for i in range(num):
+            time.sleep(0.01)
+            yield Example(f"c{i}", [1, 2, 3] * 400, [0, 0, 1] * 400)  # lines longer than a write buffer
+
+    ExampleFile(path).extend(source(), num)
