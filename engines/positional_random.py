@@ -83,6 +83,11 @@ def uniform_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     return _fmix32_(states[:, None] ^ _token_hashes(vocab, states.device)[None, :])
 
 
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms (h + 0.5) / 2**32, strictly inside (0, 1), for every row and token: [rows, vocab] float64."""
+    return uniform_bits(seeds, positions, vocab).to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
+
+
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise for rows of (seed, output position): [rows, vocab] float32.
 
@@ -92,8 +97,7 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     (0, 1), so the noise is finite, within [-3.2, 22.9].
     """
     # float64: (h + 0.5) / 2**32 is exact there, and -log(u) keeps its precision next to u = 1.
-    u = uniform_bits(seeds, positions, vocab).to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
-    return u.log_().neg_().log_().neg_().to(torch.float32)
+    return uniform_noise(seeds, positions, vocab).log_().neg_().log_().neg_().to(torch.float32)
 
 
 def gumbel_for(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:

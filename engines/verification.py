@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from engines.draft_tree import DraftTree
-from engines.positional_random import gumbel_noise, seed_to_int64, uniform_bits
+from engines.positional_random import gumbel_noise, seed_to_int64, uniform_noise
 from engines.sampling import SamplingParams, processed_logprobs
 from kernels.dispatch import use_triton
 
@@ -233,8 +233,7 @@ def chain_noise(seeds: torch.Tensor, bases: torch.Tensor, slots: int, vocab: int
     uniforms in (0, 1) for its accept tests ([R, slots] float64) and Gumbel noise for its bonus draw
     ([R, vocab] float32). A request's steps have distinct base positions (each emits a token), so no
     two verifications of a request share numbers."""
-    bits = uniform_bits(seeds, bases + CHAIN_ACCEPT_STREAM, slots)
-    uniforms = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
+    uniforms = uniform_noise(seeds, bases + CHAIN_ACCEPT_STREAM, slots)
     return uniforms, gumbel_noise(seeds, bases + CHAIN_BONUS_STREAM, vocab)
 
 
