@@ -133,22 +133,21 @@ class ExampleFile:
 
     def read(self) -> list[Example]:
         """Every complete example written so far."""
+        return self._read()[0]
+
+    def _read(self) -> tuple[list[Example], bool]:
+        """The complete examples, and whether anything else follows them (the rest of a cut line)."""
         if not self.path.exists():
-            return []
+            return [], False
+        text = self.path.read_text(encoding="utf-8")
+        lines = text.splitlines()
         out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in lines:
             try:
                 out.append(Example(**json.loads(line)))
             except (json.JSONDecodeError, TypeError):
                 break  # a line cut by an interruption: everything before it stands
-        return out
-
-    def _has_cut_line(self, complete: int) -> bool:
-        """Whether the file holds more than its `complete` examples' lines (the rest of a cut one)."""
-        if not self.path.exists():
-            return False
-        text = self.path.read_text(encoding="utf-8")
-        return len(text.splitlines()) > complete or (bool(text) and not text.endswith("\n"))
+        return out, len(lines) > len(out) or (bool(text) and not text.endswith("\n"))
 
     def extend(self, examples: Iterable[Example], num: int) -> list[Example]:
         """Add examples (skipping ids already written) until the file holds `num`; returns them all.
@@ -161,11 +160,11 @@ class ExampleFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            have = self.read()  # what an earlier holder of the lock wrote
+            have, cut = self._read()  # with what an earlier holder of the lock wrote
             if len(have) >= num:
                 return have
             done = {e.id for e in have}
-            if self._has_cut_line(len(have)):  # rewritten without the cut last line, then swapped in whole
+            if cut:  # rewritten without the cut last line, then swapped in whole
                 tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
                 tmp.write_text("".join(json.dumps(e.__dict__) + "\n" for e in have), encoding="utf-8")
                 tmp.replace(self.path)
