@@ -86,7 +86,9 @@ class LyannaDrafter(Drafter):
 
     # ---- hidden states from the target -----------------------------------------------------------
     def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
-        st = self.states.setdefault(request.request_id, _State())
+        st = self.states.get(request.request_id)
+        if st is None:
+            st = self.states[request.request_id] = _State()
         if start < len(st.hidden):  # recomputation after preemption: drop what follows
             del st.hidden[start:]
             if st.processed > start:
