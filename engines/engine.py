@@ -387,7 +387,9 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         record = StepRecord(num_tokens=0, target_s=0.0)
+        start = time.perf_counter()
         specs = self._plan_speculation() if self.drafter is not None else {}
+        record.policy_s = time.perf_counter() - start
         # The scheduler grants draft budgets (and their KV blocks) before anything is drafted.
         sched = self.scheduler.schedule({rid: spec.budget + 1 for rid, spec in specs.items()})
         if not sched.scheduled:
@@ -418,7 +420,7 @@ class LLMEngine:
             depth = min(req.spec.depth, req.max_tokens - len(req.output_token_ids) - 1) if req.spec else 0
             if todo == 1 and depth >= 1:
                 reqs.append(req)
-                caps.append(dataclasses.replace(req.spec, depth=depth))
+                caps.append(req.spec if depth == req.spec.depth else dataclasses.replace(req.spec, depth=depth))
             else:
                 other_tokens += todo
         if not reqs:
@@ -447,7 +449,9 @@ class LLMEngine:
         record.num_drafted = len(drafting)
         record.draft_depth = max(p.depth for p in plans)
         record.draft_width = max(p.width for p in plans)
+        start = time.perf_counter()
         kept = self.policy.allocate(drafting, plans, trees, self._step_other_tokens)
+        record.policy_s += time.perf_counter() - start
         for s, tree in zip(granted, kept, strict=True):
             s.attach_draft(None if tree is None else tree.prune(s.draft_budget))
 

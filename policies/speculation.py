@@ -26,8 +26,10 @@ drafting for requests that drafted just before has to beat it at all; a request 
 multiplier fell is re-probed every `probe_every` steps as if average, and every `shape_probe_every`
 plans the drafts go to the full shape, so the table stays measured (large batches on a
 compute-bound device stop drafting altogether but for one such probe every `idle_probe_every`
-plans); where every step drafts, every `plain_every`-th step does not, so the plain step time
-the verification overhead is measured against stays current.
+plans, and the best option that does not pay at a rate costing `probe_cost` of throughput, as
+measured after each probe); where every step drafts, every `plain_every`-th step does not, so the
+plain step time the verification overhead is measured against stays current. While drafting pays for
+no request of an unchanged batch, a search's answer is reused for up to `idle_search_every` plans.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class StepRecord:
     num_trees: int = 0  # requests that verified a tree in the target forward
     num_draft_tokens: int = 0  # draft tokens in those trees
     num_context: int | None = None  # attention keys the target forward read (None: not known)
+    policy_s: float = 0.0  # the policy's own planning and allocation
 
 
 class SpeculationPolicy(ABC):
@@ -130,9 +133,11 @@ class AdaptiveSettings:
     plain_every: int = 64
     idle_probe_every: int = 64  # plans between full-shape probes while drafting pays for no request
     # while drafting pays for no request, the best drafting option is still tried at a rate that
-    # costs about this share of throughput by its own prediction: often where it nearly pays (a
-    # table stuck just below break-even recovers), seldom where it is far from paying
+    # costs about this share of throughput, predicted and then measured (the idle probes included):
+    # often where it nearly pays (a table stuck just below break-even recovers), seldom where it is
+    # far from paying
     probe_cost: float = 0.003
+    idle_search_every: int = 16  # most plans one shape search's "nothing pays" stands for an unchanged batch
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
     # drafting for a request whose context the drafter has not read lately (new, or idle for a few
     # steps) must beat plain decoding's predicted goodput by this share: a draft predicted to break
@@ -168,6 +173,21 @@ class _Ema:
         w = max(self.weight, 1 / (self.count + 1))
         self.value = (1 - w) * self.value + w * x
         self.count += 1
+
+
+@dataclass
+class _Search:
+    """A shape search's outcome: the best option that pays (no requests: none pays) and the best
+    drafting option, paying or not (its score: goodput over the goodput it has to reach)."""
+
+    best_shape: tuple[int, int]
+    best_chosen: list[int]  # indices into the plan's requests
+    near_shape: tuple[int, int]
+    near_chosen: list[int]
+    near_score: float
+    plain_goodput: float  # predicted tokens per second of the step without drafts
+    key: tuple = ()  # the batch it was made for: request ids, caps, other tokens
+    until: int = 0  # reused while the policy has made fewer plans than this
 
 
 @dataclass
@@ -248,6 +268,10 @@ class AdaptivePolicy(SpeculationPolicy):
     last_budget: float = 0.0
     last_drafted: int = 0
     predicted_step_s: _Ema = field(default_factory=_Ema)
+    # the policy's own time in steps that drafted and in steps that did not: a drafting step searches
+    # and allocates, which at batch 1 on a CPU is a few percent of a step, so options are priced with it
+    policy_drafting_s: _Ema = field(default_factory=_Ema)
+    policy_plain_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
     shapes: ShapeTable = field(default_factory=lambda: ShapeTable())
     _pending_prediction: float | None = None
@@ -259,6 +283,17 @@ class AdaptivePolicy(SpeculationPolicy):
     _plans_since_plain: int = 0
     _probe_credit: float = 0.0  # throughput share saved up for trying the best option that does not pay
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
+    _search: _Search | None = None  # the last shape search, while it may be reused
+    _idle_searches: int = 0  # searches in a row in which drafting paid for no request
+    # this step's probe: (loss charged to the credit when chosen, plain decoding's goodput); the
+    # draft tokens its verification accepted
+    _probe: tuple[float, float] | None = None
+    _step_accepted: int = 0
+    # plans by decision: drafting that pays, the full-shape probes (`shape_probe_every` and
+    # `idle_probe_every`), the best option that does not pay on probe credit, and no draft
+    decisions: dict[str, int] = field(
+        default_factory=lambda: {"pays": 0, "shape_probe": 0, "idle_probe": 0, "credit_probe": 0, "plain": 0}
+    )
 
     # ---- drafting ---------------------------------------------------------------------------------
     def plan(
@@ -267,12 +302,12 @@ class AdaptivePolicy(SpeculationPolicy):
         n = len(requests)
         self._step_decoders, self._step_other_tokens, self._step_context = n, other_tokens, context
         self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
+        self._probe = None
         if not self.target_cost.ready:
             return list(caps)
         out: list[SpecParams | None] = [cap if cap.fixed else None for cap in caps]
         fixed_tokens = sum(c.budget for c in caps if c.fixed)
         fixed_trees = sum(c.fixed for c in caps)
-        base = n + other_tokens + fixed_tokens
         adaptive = [i for i, cap in enumerate(caps) if not cap.fixed]
         if not adaptive:
             return out
@@ -280,13 +315,90 @@ class AdaptivePolicy(SpeculationPolicy):
         for i in adaptive:
             st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState())
             st.idle_steps += 1
+        # While drafting pays for no request of an unchanged batch, the search's answer is reused for a
+        # few plans (1, 2, 4, ... up to `idle_search_every`): the models move little over plain steps,
+        # and at batch 1 a search costs a few percent of a step.
+        key = (
+            tuple(r.request_id for r in requests),
+            tuple((c.depth, c.width, c.budget, c.fixed) for c in caps),
+            other_tokens,
+        )
+        search = self._search
+        if search is None or search.key != key or self._num_plans >= search.until:
+            search = self._search = self._shape_search(
+                requests, caps, adaptive, states, n + other_tokens + fixed_tokens, fixed_trees, fixed_tokens, context
+            )
+            search.key = key
+            if search.best_chosen:
+                self._idle_searches = 0
+            else:
+                search.until = self._num_plans + min(self.settings.idle_search_every, 2**self._idle_searches)
+                self._idle_searches += 1
+        # Every `shape_probe_every` plans (and until the table has data) the chosen requests draft at the
+        # full shape, so every entry of the shape table keeps being measured; while none is chosen,
+        # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
+        # re-tested without taxing the batches where drafting does not pay, and the best option that
+        # does not pay is tried at a rate costing `probe_cost` of throughput (against the goodput it
+        # has to reach: what it lacks to be chosen). Losses are time beyond what plain decoding would
+        # have taken for the tokens, in plain steps. A probe is charged its predicted loss when chosen
+        # and its realised loss once its step ran (`observe_step`): a probe whose draft the
+        # allocation drops costs its drafting for nothing, a request's first draft reads its whole
+        # prompt, and the probes slow down to match; an idle probe waits while the credit is spent.
+        # Likewise, after `plain_every` plans in a row that drafted, one plain step: the tree steps'
+        # overhead is measured against the plain step, which must not go stale.
+        best_shape, best_chosen = search.best_shape, search.best_chosen
+        self._num_plans += 1
+        every = self.settings.shape_probe_every if best_chosen else self.settings.idle_probe_every
+        if not best_chosen:
+            self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
+        loss = 1 / search.near_score - 1 if search.near_score > 0 else math.inf  # in plain steps' time
+        decision = "pays" if best_chosen else "plain"
+        if not self.shapes.reach or (self._num_plans % every == 0 and (best_chosen or self._probe_credit >= 0)):
+            decision = "shape_probe" if best_chosen else "idle_probe"
+            best_shape = (max(caps[i].depth for i in adaptive), max(caps[i].width for i in adaptive))
+            best_chosen = best_chosen or adaptive[:1]
+        elif not best_chosen and search.near_chosen and self._probe_credit >= loss:
+            decision = "credit_probe"
+            self._probe_credit -= loss
+            best_shape, best_chosen = search.near_shape, search.near_chosen
+        elif best_chosen and self._plans_since_plain >= self.settings.plain_every and not fixed_trees:
+            decision = "plain"
+            best_chosen = []
+        self.decisions[decision] += 1
+        if decision in ("idle_probe", "credit_probe"):
+            self._probe = (loss if decision == "credit_probe" else 0.0, search.plain_goodput)
+            self._search = None  # the probe's step brings new measurements
+        self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
+        for i in set(adaptive) - set(best_chosen):
+            self.acceptance.age(requests[i].request_id)
+        for i in best_chosen:
+            states[i].idle_steps, states[i].read_upto = 0, requests[i].num_tokens
+            depth, width = min(caps[i].depth, best_shape[0]), min(caps[i].width, best_shape[1])
+            # The whole budget cap: the allocation decides how much of the draft to verify.
+            out[i] = SpecParams(depth=depth, width=width, budget=caps[i].budget)
+        return out
+
+    def _shape_search(
+        self,
+        requests: list[Request],
+        caps: list[SpecParams],
+        adaptive: list[int],
+        states: dict[int, _RequestState],
+        base: int,
+        fixed_trees: int,
+        fixed_tokens: int,
+        context: int | None,
+    ) -> _Search:
+        """For each drafting shape, the requests worth drafting for (best expected gain per verified
+        token first) and the goodput of drafting for them, drafter time included: the best option that
+        pays and the best drafting option, paying or not."""
+        n = len(requests)
         max_depth = max(caps[i].depth for i in adaptive)
         max_width = max(caps[i].width for i in adaptive)
-        # For each drafting shape, the requests worth drafting for (best expected gain per verified
-        # token first) and the goodput of drafting for them, drafter time included; keep the best.
         plain_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens, context)
-        # The best option that pays and the best drafting option, paying or not: (shape, its options
-        # ordered, how many of them draft); the request lists are built once, after the search.
+        policy_s = max(0.0, self.policy_drafting_s.value - self.policy_plain_s.value)  # what drafting adds
+        # (shape, its options ordered, how many of them draft); the request lists are built once, after
+        # the search
         best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
         # options are scored by goodput over the goodput they have to reach: plain decoding's, raised
         # by `min_advantage` for the share of their requests whose context the drafter has not read
@@ -329,7 +441,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 for m, (g, b, i) in enumerate(options, 1):
                     gain, budget, num_cold, read = gain + g, budget + b, num_cold + cold[i], read + reads[i]
                     step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
-                    step += self.draft_cost.predict(depth, width, m) + self.draft_cost.predict_reading(read)
+                    step += self.draft_cost.predict(depth, width, m) + self.draft_cost.predict_reading(read) + policy_s
                     goodput = (n + gain) / step
                     score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
                     if score > near_score:
@@ -339,38 +451,14 @@ class AdaptivePolicy(SpeculationPolicy):
                     if goodput < previous:  # past the peak: requests come in falling gain per token
                         break
                     previous = goodput
-        # Every `shape_probe_every` plans (and until the table has data) the chosen requests draft at the
-        # full shape, so every entry of the shape table keeps being measured; while none is chosen,
-        # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
-        # re-tested without taxing the batches where drafting does not pay, and the best option that
-        # does not pay is tried at a rate costing `probe_cost` of throughput by its predicted loss
-        # (against the goodput it has to reach: what it lacks to be chosen).
-        # Likewise, after `plain_every` plans in a row that drafted, one plain step: the tree steps'
-        # overhead is measured against the plain step, which must not go stale.
-        best_shape, best_chosen = best[0], [i for _, _, i in best[1][: best[2]]]
-        near_shape, near_chosen = near[0], [i for _, _, i in near[1][: near[2]]]
-        self._num_plans += 1
-        every = self.settings.shape_probe_every if best_chosen else self.settings.idle_probe_every
-        if not best_chosen:
-            self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
-        loss = 1 - near_score
-        if self._num_plans % every == 0 or not self.shapes.reach:
-            best_shape = (max_depth, max_width)
-            best_chosen = best_chosen or adaptive[:1]
-        elif not best_chosen and near_chosen and self._probe_credit >= loss:
-            self._probe_credit -= loss
-            best_shape, best_chosen = near_shape, near_chosen
-        elif best_chosen and self._plans_since_plain >= self.settings.plain_every and not fixed_trees:
-            best_chosen = []
-        self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
-        for i in set(adaptive) - set(best_chosen):
-            self.acceptance.age(requests[i].request_id)
-        for i in best_chosen:
-            states[i].idle_steps, states[i].read_upto = 0, requests[i].num_tokens
-            depth, width = min(caps[i].depth, best_shape[0]), min(caps[i].width, best_shape[1])
-            # The whole budget cap: the allocation decides how much of the draft to verify.
-            out[i] = SpecParams(depth=depth, width=width, budget=caps[i].budget)
-        return out
+        return _Search(
+            best_shape=best[0],
+            best_chosen=[i for _, _, i in best[1][: best[2]]],
+            near_shape=near[0],
+            near_chosen=[i for _, _, i in near[1][: near[2]]],
+            near_score=near_score,
+            plain_goodput=plain_goodput,
+        )
 
     # ---- verification budget ----------------------------------------------------------------------
     def allocate(
@@ -474,6 +562,16 @@ class AdaptivePolicy(SpeculationPolicy):
                 self.predicted_step_s.add(self._pending_prediction)
                 self.observed_step_s.add(record.target_s)
         self._pending_prediction = None
+        if self._probe is not None:  # charge the probe what it really cost (it was charged its prediction)
+            charged, plain_goodput = self._probe
+            seconds = record.target_s + record.draft_s + record.read_s
+            if seconds > 0 and plain_goodput > 0:
+                realised = (self._step_decoders + self._step_accepted) / seconds
+                self._probe_credit = min(1.0, self._probe_credit - (plain_goodput / realised - 1 - charged))
+            self._probe = None
+        self._step_accepted = 0
+        if record.policy_s:
+            (self.policy_drafting_s if record.num_drafted else self.policy_plain_s).add(record.policy_s)
         if record.num_drafted:
             self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
         if record.num_read:
@@ -481,6 +579,7 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)
+        self._step_accepted += len(path) - 1
         shape = self._drafted.pop(request.request_id, None)
         if shape is not None:
             self.shapes.observe(*shape, tree, path)
@@ -499,6 +598,7 @@ class AdaptivePolicy(SpeculationPolicy):
             "observed_accepted": self.acceptance.observed_mean,
             "predicted_step_s": self.predicted_step_s.value,
             "observed_step_s": self.observed_step_s.value,
+            "plans": dict(self.decisions),
         }
 
 

@@ -440,6 +440,101 @@ def test_an_option_that_nearly_pays_is_tried_often_one_far_from_paying_seldom():
     assert idle_probes <= drafted["far"] <= idle_probes + 2
 
 
+def near_and_far_policies() -> dict[str, AdaptivePolicy]:
+    """Policies for one request where drafting does not pay: nearly (a 0.5% shortfall) or far from it."""
+    policies = {}
+    for name, draft_s in (("near", 0.0151), ("far", 0.150)):
+        p = policies[name] = flat_policy(0.010, 0.0001, draft_s)
+        p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+    return policies
+
+
+def test_while_nothing_pays_the_search_is_reused_for_growing_stretches_of_an_unchanged_batch():
+    """A shape search that finds nothing paying stands for the next 1, 2, 4, ... up to
+    `idle_search_every` plans of the same batch: the decisions are those of searching every plan,
+    with far fewer searches. A changed batch is searched at once, and so is every plan that drafts."""
+    for name, p in near_and_far_policies().items():
+        every_plan = near_and_far_policies()[name]
+        every_plan.settings.idle_search_every = 1
+        searches = 0
+
+        def counted(*args, search=p._shape_search, **kwargs):
+            nonlocal searches
+            searches += 1
+            return search(*args, **kwargs)
+
+        p._shape_search = counted
+        reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+        drafted = [p.plan(reqs, caps, 0)[0] is not None for _ in range(256)]
+        assert drafted == [every_plan.plan(reqs, caps, 0)[0] is not None for _ in range(256)]
+        if name == "far":  # only the idle probes draft: a search after each, else every 16 plans at most
+            assert searches <= 5 + 256 // 16 + 2 * sum(drafted)
+            before = searches
+            p.plan([request("b")], caps, 0)  # another request: searched at once
+            assert searches == before + 1
+    paying = flat_policy(0.010, 0.0001, 0.0001)
+    paying.shapes = shape_table({(1, 1): (0.9, 1.0)})
+    searches = 0
+    search = paying._shape_search
+
+    def counted_paying(*args, **kwargs):
+        nonlocal searches
+        searches += 1
+        return search(*args, **kwargs)
+
+    paying._shape_search = counted_paying
+    for _ in range(32):
+        paying.plan([request("a")], [SpecParams(1, 1, 1)], 0)
+    assert searches == 32
+
+
+def test_a_probe_is_charged_what_it_really_cost():
+    """A probe is priced by its prediction when chosen and by its step's measured time once it ran. A
+    probe that cost ten plain steps (a request's first draft reads its whole prompt) and gained nothing
+    spends the credit of thousands of plans: neither option probes nor idle probes follow for a while,
+    where probes that cost what they were predicted to go on every few plans."""
+    outcomes = {}
+    for name, probe_s in (("as predicted", None), ("ten plain steps", 0.100)):
+        p = near_and_far_policies()["near"]
+        reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+        drafted = 0
+        for _ in range(512):
+            (spec,) = p.plan(reqs, caps, 0)
+            if spec is None:
+                p.observe_step(StepRecord(num_tokens=0, target_s=0.0))
+                continue
+            drafted += 1
+            if probe_s is None:  # a verified draft whose step took the predicted time, accepted every other time
+                p.observe_verified(reqs[0], chain([0.5]), [0, 1] if drafted % 2 else [0])
+                seconds = p.target_cost.predict(2, 1, 1) + p.draft_cost.predict(1, 1, 1)
+            else:  # nothing verified, a long read
+                seconds = probe_s
+            p.observe_step(StepRecord(num_tokens=0, target_s=seconds))
+        outcomes[name] = drafted
+    assert outcomes["as predicted"] > 512 // 20
+    assert outcomes["ten plain steps"] <= 2
+
+
+def test_the_policys_own_time_in_drafting_steps_prices_drafting():
+    """A drafting step also costs the policy's search and allocation: an option 15% ahead of plain
+    decoding is drafted while the policy's time is the same in both kinds of steps, and not once its
+    drafting steps are seen to take 3 ms more of it."""
+    reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+    p = flat_policy(0.010, 0.0001, 0.009)  # a depth-1 round costs 3 ms
+    p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+    assert 1.14 < 1.5 / (p.target_cost.predict(2, 1, 1) + 0.003) * p.target_cost.predict(1) < 1.16
+    assert p.plan(reqs, caps, 0)[0] is not None
+    p.observe_step(StepRecord(num_tokens=0, target_s=0.0, policy_s=0.00002))
+    p.observe_step(StepRecord(num_tokens=0, target_s=0.0, policy_s=0.00002, num_drafted=1, draft_s=0.003,
+                              draft_depth=1, draft_width=1))  # fmt: skip
+    assert p.plan(reqs, caps, 0)[0] is not None
+    for _ in range(20):
+        p.observe_step(StepRecord(num_tokens=0, target_s=0.0, policy_s=0.00002))
+        p.observe_step(StepRecord(num_tokens=0, target_s=0.0, policy_s=0.00302, num_drafted=1, draft_s=0.003,
+                                  draft_depth=1, draft_width=1))  # fmt: skip
+    assert p.plan(reqs, caps, 0)[0] is None
+
+
 def test_where_every_step_drafts_one_in_plain_every_does_not():
     """Drafting always pays here, but the plain step time the overhead is measured against must stay
     current: after `plain_every` drafting plans in a row (the full-shape probes aside) one is plain."""
