@@ -387,12 +387,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         record = StepRecord(num_tokens=0, target_s=0.0)
-        start = time.perf_counter()
-        specs = self._plan_speculation() if self.drafter is not None else {}
-        record.policy_s = time.perf_counter() - start
+        specs = self._plan_speculation(record) if self.drafter is not None else {}
         # The scheduler grants draft budgets (and their KV blocks) before anything is drafted.
         sched = self.scheduler.schedule({rid: spec.budget + 1 for rid, spec in specs.items()})
         if not sched.scheduled:
+            self.policy.observe_step(record)  # nothing ran: the policy's pending step is void
             return []
         if specs:
             self._draft(sched, specs, record)
@@ -408,9 +407,9 @@ class LLMEngine:
         self.policy.observe_step(record)
         return outputs
 
-    def _plan_speculation(self) -> dict[str, SpecParams]:
+    def _plan_speculation(self, record: StepRecord) -> dict[str, SpecParams]:
         """The tree each decoding request that speculates would like this step, as the policy plans it
-        within the request's limits (request id -> its tree)."""
+        within the request's limits (request id -> its tree); the policy's time goes into `record`."""
         reqs, caps, other_tokens, spans = [], [], 0, []
         for req in self.scheduler.running:
             todo = req.num_tokens - req.num_computed_tokens
@@ -426,7 +425,9 @@ class LLMEngine:
         if not reqs:
             return {}
         self._step_other_tokens = other_tokens
+        start = time.perf_counter()
         plans = self.policy.plan(reqs, caps, other_tokens, attention_keys(spans))
+        record.policy_s = time.perf_counter() - start
         return {r.request_id: p for r, p in zip(reqs, plans, strict=True) if p is not None}
 
     def _draft(self, sched: SchedulerOutput, specs: dict[str, SpecParams], record: StepRecord) -> None:

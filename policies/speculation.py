@@ -150,6 +150,7 @@ class AdaptiveSettings:
 
 
 _PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of a shape never drafted (optimism: it gets tried)
+_CREDIT_FLOOR = -3.0  # plain steps of probe debt at most: an idle probe at least every ~1,000 plans
 _TOKENS_PER_DRAFT_STEP = 2.0  # tokens a drafted step emits, for spreading a cold request's reading over its steps
 
 
@@ -302,7 +303,7 @@ class AdaptivePolicy(SpeculationPolicy):
         n = len(requests)
         self._step_decoders, self._step_other_tokens, self._step_context = n, other_tokens, context
         self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
-        self._probe = None
+        self._probe, self._step_accepted = None, 0
         if not self.target_cost.ready:
             return list(caps)
         out: list[SpecParams | None] = [cap if cap.fixed else None for cap in caps]
@@ -316,8 +317,8 @@ class AdaptivePolicy(SpeculationPolicy):
             st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState())
             st.idle_steps += 1
         # While drafting pays for no request of an unchanged batch, the search's answer is reused for a
-        # few plans (1, 2, 4, ... up to `idle_search_every`): the models move little over plain steps,
-        # and at batch 1 a search costs a few percent of a step.
+        # few plans (1, 2, 4, ... up to `idle_search_every`, where it stays until drafting pays again):
+        # the models move little over plain steps, and at batch 1 a search costs a few percent of a step.
         key = (
             tuple(r.request_id for r in requests),
             tuple((c.depth, c.width, c.budget, c.fixed) for c in caps),
@@ -365,7 +366,7 @@ class AdaptivePolicy(SpeculationPolicy):
             decision = "plain"
             best_chosen = []
         self.decisions[decision] += 1
-        if decision in ("idle_probe", "credit_probe"):
+        if decision == "credit_probe" or (decision == "idle_probe" and self.shapes.reach):
             self._probe = (loss if decision == "credit_probe" else 0.0, search.plain_goodput)
             self._search = None  # the probe's step brings new measurements
         self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
@@ -567,7 +568,9 @@ class AdaptivePolicy(SpeculationPolicy):
             seconds = record.target_s + record.draft_s + record.read_s
             if seconds > 0 and plain_goodput > 0:
                 realised = (self._step_decoders + self._step_accepted) / seconds
-                self._probe_credit = min(1.0, self._probe_credit - (plain_goodput / realised - 1 - charged))
+                loss = plain_goodput / realised - 1 - charged
+                # at most `_CREDIT_FLOOR` in debt: one outlier step cannot silence the idle probes for long
+                self._probe_credit = min(1.0, max(_CREDIT_FLOOR, self._probe_credit - loss))
             self._probe = None
         self._step_accepted = 0
         if record.policy_s:
