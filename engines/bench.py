@@ -20,6 +20,8 @@ ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp
 on the GGUF as shipped (`llamacpp`) and converted to bf16 (`llamacpp-bf16`); it serves one sequence
 at a time. `NAME+QUANT` runs a configuration with other target weights (`none+int8`, `lyanna+none`), and
 `NAME+eager` on the model's eager layers (`enforce_eager`: no fused CPU decoder), e.g. `none+eager`.
+`NAME#TAG` runs a configuration again on another engine of the same settings: `none,none#2` shows
+how far two identical engines differ on this machine (the noise floor of every ratio).
 The last line of stdout is one JSON object; its top-level fields
 describe the first configuration, `configs` holds them all.
 """
@@ -109,7 +111,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> EngineConfig:
     """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
-    as in serving, where the configured tree is the caps)."""
+    as in serving, where the configured tree is the caps); a `#TAG` suffix names another engine of the
+    same settings."""
+    variant = variant.partition("#")[0]
     variant, _, policy = variant.partition("@")
     variant, *options = variant.split("+")
     quantization = next((o for o in options if o != "eager"), None)
@@ -133,12 +137,14 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
 
 
 def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
-    """'ngram' or 'ngram:depth:width:budget' -> (configuration name, tree settings)."""
+    """'ngram', 'ngram:depth:width:budget', either with a '#TAG' -> (engine name, tree settings); the
+    engine name keeps the tag, so a tagged configuration runs on an engine of its own."""
+    text, tag, label = text.partition("#")
     name, *nums = text.split(":")
     if len(nums) not in (0, 3):
         raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
     depth, width, budget = (int(n) for n in nums) if nums else (args.depth, args.width, args.budget)
-    return name, SpecParams(depth=depth, width=width, budget=budget)
+    return name + tag + label, SpecParams(depth=depth, width=width, budget=budget)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

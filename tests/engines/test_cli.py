@@ -52,7 +52,7 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
         "--batch-size",
         "1",
         "--compare",
-        "none,ngram:3:2:4",
+        "none,ngram:3:2:4,none#2",
         "--compare-hf",
         "--dtype",
         "float32",
@@ -78,7 +78,9 @@ def test_bench_reports_json_and_compares_with_transformers(tmp_path):
     assert out["config"] == "none" and out["output_tokens"] == 2 * 8 and out["dtype"] == "float32"
     assert out["target_forwards"] == 16 and out["tokens_per_s"] > 0 and out["speedup_vs_hf"] > 0
     assert [len(o["token_ids"]) for o in out["outputs"]] == [8] * 2
-    assert set(out["configs"]) == {"none", "ngram:3:2:4", "hf", "hf-prompt-lookup"}
+    assert set(out["configs"]) == {"none", "ngram:3:2:4", "none#2", "hf", "hf-prompt-lookup"}
+    twin = out["configs"]["none#2"]  # another engine of the same settings: the same tokens, its own timing
+    assert twin["identical_to_none"] == 1.0 and twin["target_forwards"] == 16 and twin["tokens_per_s"] > 0
     ngram = out["configs"]["ngram:3:2:4"]
     for key in ("tokens_per_s", "mean_accepted_tokens", "acceptance_by_depth", "target_forwards", "speedup_vs_none"):
         assert key in ngram
