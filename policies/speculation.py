@@ -282,7 +282,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
     _plans_since_plain: int = 0
-    _probe_credit: float = 0.0  # throughput share saved up for trying the best option that does not pay
+    _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
     _idle_searches: int = 0  # searches in a row in which drafting paid for no request
@@ -333,7 +333,8 @@ class AdaptivePolicy(SpeculationPolicy):
             if search.best_chosen:
                 self._idle_searches = 0
             else:
-                search.until = self._num_plans + min(self.settings.idle_search_every, 2**self._idle_searches)
+                gap = 1 << min(self._idle_searches, 30)  # doubling, bounded (a server runs for days)
+                search.until = self._num_plans + min(self.settings.idle_search_every, gap)
                 self._idle_searches += 1
         # Every `shape_probe_every` plans (and until the table has data) the chosen requests draft at the
         # full shape, so every entry of the shape table keeps being measured; while none is chosen,
