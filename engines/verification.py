@@ -454,6 +454,11 @@ def walked_results(walk: list[list[list[int]]], offsets: list[int]) -> list[Veri
     return results
 
 
+def _is_chain(item: VerifyItem) -> bool:
+    """A stochastic chain at temperature > 0 (a draft model's sampled draft), verified by `verify_chains`."""
+    return not item.params.greedy and item.tree.draft_probs is not None
+
+
 def verify_batch(
     items: list[VerifyItem], logits: torch.Tensor, chain_verifier: str = "block", also: torch.Tensor | None = None
 ) -> tuple[list[VerifyResult], list[int]]:
@@ -470,8 +475,8 @@ def verify_batch(
         return _verify_batch_walking(items, logits, chain_verifier, also)
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
-    trees = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is None]
-    chains = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is not None]
+    chains = [i for i, it in enumerate(items) if _is_chain(it)]
+    trees = [i for i, it in enumerate(items) if not it.params.greedy and not _is_chain(it)]
     tree_offsets = [offsets[i] for i in trees]
     on_device = [logits.argmax(-1)]
     if trees:
@@ -505,7 +510,7 @@ def _verify_batch_walking(
     device = logits.device
     sizes = [it.tree.size for it in items]
     offsets = [0, *accumulate(sizes)]
-    walked = [i for i, it in enumerate(items) if it.params.greedy or it.tree.draft_probs is None]
+    walked = [i for i, it in enumerate(items) if not _is_chain(it)]
     sampled = [i for i in walked if not items[i].params.greedy]
     nodes = [(i, node) for i in walked for node in range(sizes[i])]
     host_rows = [offsets[i] + node for i, node in nodes]
@@ -533,7 +538,7 @@ def _verify_batch_walking(
         largest = max(sizes[i] for i in walked)
         path, bonus = walk_trees(target[rows], tokens, parents, walk_off, levels, largest)
         on_device += [path.flatten(), bonus]
-    chains = [i for i, it in enumerate(items) if not it.params.greedy and it.tree.draft_probs is not None]
+    chains = [i for i, it in enumerate(items) if _is_chain(it)]
     if chains:
         on_device.append(_chains_on_device(items, offsets, chains, logits, chain_verifier))
     if also is not None:
