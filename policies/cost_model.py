@@ -181,6 +181,16 @@ class TargetCostModel:
         per_tree, per_token = overhead
         return self._plain(base, context) + per_tree * num_trees + per_token * num_draft_tokens
 
+    def tree_step(self, base_tokens: int, context: int | None = None) -> tuple[float, float, float] | None:
+        """(seconds of the plain step over `base_tokens` tokens, seconds per tree, seconds per draft token):
+        `predict(base_tokens + k, trees, k, context)` is the plain step plus trees and k draft tokens
+        at those prices, so an optimizer pricing many options of one batch asks once (None before any
+        tree step, while draft tokens cost what the plain curve says)."""
+        overhead = self.overhead(base_tokens)
+        if overhead is None:
+            return None
+        return self._plain(base_tokens, context), overhead[0], overhead[1]
+
     def overhead(self, base_tokens: int) -> tuple[float, float] | None:
         """(seconds per tree, seconds per draft token) that verifying adds to a plain step of
         `base_tokens` tokens: measured in its bucket, else in the nearest measured one (None before

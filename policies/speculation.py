@@ -26,10 +26,13 @@ drafting for requests that drafted just before has to beat it at all; a request 
 multiplier fell is re-probed every `probe_every` steps as if average, and every `shape_probe_every`
 plans the drafts go to the full shape, so the table stays measured (large batches on a
 compute-bound device stop drafting altogether but for one such probe every `idle_probe_every`
-plans, and the best option that does not pay at a rate costing `probe_cost` of throughput, as
-measured after each probe); where every step drafts, every `plain_every`-th step does not, so the
-plain step time the verification overhead is measured against stays current. While drafting pays for
-no request of an unchanged batch, a search's answer is reused for up to `idle_search_every` plans.
+plans, and the best option that does not pay for streaks of `probe_streak` plans at a rate
+costing `probe_cost` of throughput, as measured after each probe); where every step drafts, every
+`plain_every`-th step does not, so the plain step time the verification overhead is measured
+against stays current. The first level of a shape's acceptance is priced at an upper confidence
+bound (`optimism`), so an option that a few unlucky drafts put just below break-even is drafted
+until it is measured well. A search's answer is reused for `search_every` plans of an unchanged
+batch while it drafts, and for up to `idle_search_every` while drafting pays for no request.
 """
 
 from __future__ import annotations
@@ -138,6 +141,11 @@ class AdaptiveSettings:
     # far from paying
     probe_cost: float = 0.003
     idle_search_every: int = 16  # most plans one shape search's "nothing pays" stands for an unchanged batch
+    search_every: int = 4  # plans one shape search's choice stands for while it drafts for an unchanged batch
+    # plans a credit probe goes on for (its requests' best option each plan, charged as a probe): drafts
+    # now and then read the context in large pieces on cold caches and cost more than drafting every
+    # step does, so a probe drafts for a streak, which measures drafting as it runs once chosen
+    probe_streak: int = 16
     min_gain: float = 0.05  # expected accepted tokens below which a request's draft is not worth verifying
     # drafting for a request whose context the drafter has not read lately (new, or idle for a few
     # steps) must beat plain decoding's predicted goodput by this share: a draft predicted to break
@@ -145,6 +153,10 @@ class AdaptiveSettings:
     # the reading over steps it may not draft in, so it tends to be optimistic
     min_advantage: float = 0.03
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
+    # standard errors of the shape table's first-level acceptance (over every draft behind it) added in
+    # the search, an upper confidence bound: an option that a few unlucky first drafts put just below
+    # break-even is drafted until it is measured well
+    optimism: float = 1.0
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
 
@@ -186,7 +198,11 @@ class _Search:
     near_shape: tuple[int, int]
     near_chosen: list[int]
     near_score: float
+    near_tokens: float  # tokens the best drafting option is expected to emit
     plain_goodput: float  # predicted tokens per second of the step without drafts
+    # per request index: (context tokens the drafter reads, the share of their reading priced into this
+    # step: a cold request's whole reading is spread over the steps it has left)
+    reads: dict[int, tuple[int, float]] = field(default_factory=dict)
     key: tuple = ()  # the batch it was made for: request ids, caps, other tokens
     until: int = 0  # reused while the policy has made fewer plans than this
 
@@ -231,15 +247,22 @@ class ShapeTable:
                 self.reach[(k, w)].add(1.0 if accepted >= k else 0.0)
                 self.nodes[(k, w)].add(float(per_level[k]))
 
-    def predict(self, depth: int, width: int) -> tuple[float, float]:
-        """(expected accepted tokens, verified nodes) of a draft of that shape."""
+    def predict(self, depth: int, width: int, optimism: float = 0.0) -> tuple[float, float]:
+        """(expected accepted tokens, verified nodes) of a draft of that shape; with `optimism`, the
+        first level's reach raised by that many standard errors of a mean over all the drafts behind it
+        (an upper confidence bound on whether drafting gains at all, which fades as drafts accrue; the
+        deeper levels get none, so it does not favour deeper shapes)."""
         gain = nodes = 0.0
         for k in range(1, depth + 1):
             reach = self.reach.get((k, width))
             if reach is None:
                 gain, nodes = gain + _PRIOR_ACCEPT**k, nodes + width
             else:
-                gain, nodes = gain + reach.value, nodes + self.nodes[(k, width)].value
+                p = reach.value
+                if k == 1 and optimism:
+                    p = min(1.0, p + optimism * math.sqrt(max(0.0, p * (1 - p)) / reach.count))
+                gain += p
+                nodes += self.nodes[(k, width)].value
         return gain, nodes
 
 
@@ -286,9 +309,10 @@ class AdaptivePolicy(SpeculationPolicy):
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
     _idle_searches: int = 0  # searches in a row in which drafting paid for no request
-    # this step's probe: (loss charged to the credit when chosen, plain decoding's goodput); the
-    # draft tokens its verification accepted
-    _probe: tuple[float, float] | None = None
+    _streak_left: int = 0  # plans the current credit probe's streak goes on for
+    # this step's probe: (loss charged to the credit when chosen, plain decoding's goodput, the share
+    # of its reading time priced into the step); the draft tokens its verification accepted
+    _probe: tuple[float, float, float] | None = None
     _step_accepted: int = 0
     # plans by decision: drafting that pays, the full-shape probes (`shape_probe_every` and
     # `idle_probe_every`), the best option that does not pay on probe credit, and no draft
@@ -332,6 +356,7 @@ class AdaptivePolicy(SpeculationPolicy):
             search.key = key
             if search.best_chosen:
                 self._idle_searches = 0
+                search.until = self._num_plans + self.settings.search_every
             else:
                 gap = 1 << min(self._idle_searches, 30)  # doubling, bounded (a server runs for days)
                 search.until = self._num_plans + min(self.settings.idle_search_every, gap)
@@ -341,11 +366,15 @@ class AdaptivePolicy(SpeculationPolicy):
         # one request does so every `idle_probe_every` plans, so a table that says "never draft" is
         # re-tested without taxing the batches where drafting does not pay, and the best option that
         # does not pay is tried at a rate costing `probe_cost` of throughput (against the goodput it
-        # has to reach: what it lacks to be chosen). Losses are time beyond what plain decoding would
-        # have taken for the tokens, in plain steps. A probe is charged its predicted loss when chosen
-        # and its realised loss once its step ran (`observe_step`): a probe whose draft the
-        # allocation drops costs its drafting for nothing, a request's first draft reads its whole
-        # prompt, and the probes slow down to match; an idle probe waits while the credit is spent.
+        # has to reach: what it lacks to be chosen), each for a streak of `probe_streak` plans (cut
+        # short where a probe puts the credit at its floor), so it is measured drafting steadily.
+        # Losses are time beyond what plain decoding would have taken for the tokens, in plain steps
+        # (linear in the tokens: a lucky and an unlucky step average out). A probe is charged its
+        # predicted loss when chosen and its realised loss once its step ran (`observe_step`): a
+        # probe whose draft the allocation drops costs its drafting for nothing, and the probes slow
+        # down to match; an idle probe waits while the credit is spent. A probe that gains pays the
+        # credit back, so an option that pays in steady drafting (where the models, fed by sporadic
+        # drafts, thought it would not) keeps being drafted until they learn it.
         # Likewise, after `plain_every` plans in a row that drafted, one plain step: the tree steps'
         # overhead is measured against the plain step, which must not go stale.
         best_shape, best_chosen = search.best_shape, search.best_chosen
@@ -353,22 +382,28 @@ class AdaptivePolicy(SpeculationPolicy):
         every = self.settings.shape_probe_every if best_chosen else self.settings.idle_probe_every
         if not best_chosen:
             self._probe_credit = min(1.0, self._probe_credit + self.settings.probe_cost)
-        loss = 1 / search.near_score - 1 if search.near_score > 0 else math.inf  # in plain steps' time
+        # the time the best drafting option is predicted to lose against plain decoding, in plain steps
+        loss = search.near_tokens / n * (1 / search.near_score - 1) if search.near_score > 0 else math.inf
         decision = "pays" if best_chosen else "plain"
         if not self.shapes.reach or (self._num_plans % every == 0 and (best_chosen or self._probe_credit >= 0)):
             decision = "shape_probe" if best_chosen else "idle_probe"
             best_shape = (max(caps[i].depth for i in adaptive), max(caps[i].width for i in adaptive))
             best_chosen = best_chosen or adaptive[:1]
-        elif not best_chosen and search.near_chosen and self._probe_credit >= loss:
+        elif not best_chosen and search.near_chosen and (self._streak_left > 0 or self._probe_credit >= loss):
             decision = "credit_probe"
+            if self._streak_left <= 0:
+                self._streak_left = self.settings.probe_streak
             self._probe_credit -= loss
             best_shape, best_chosen = search.near_shape, search.near_chosen
         elif best_chosen and self._plans_since_plain >= self.settings.plain_every and not fixed_trees:
             decision = "plain"
             best_chosen = []
+        self._streak_left = max(0, self._streak_left - 1)
         self.decisions[decision] += 1
         if decision == "credit_probe" or (decision == "idle_probe" and self.shapes.reach):
-            self._probe = (loss if decision == "credit_probe" else 0.0, search.plain_goodput)
+            tokens = sum(search.reads[i][0] for i in best_chosen)
+            priced = sum(search.reads[i][0] * search.reads[i][1] for i in best_chosen)
+            self._probe = (loss if decision == "credit_probe" else 0.0, search.plain_goodput, priced / max(1, tokens))
             self._search = None  # the probe's step brings new measurements
         self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
         for i in set(adaptive) - set(best_chosen):
@@ -406,17 +441,21 @@ class AdaptivePolicy(SpeculationPolicy):
         # by `min_advantage` for the share of their requests whose context the drafter has not read
         # lately (a request new to drafting reads its whole prompt, one idle for a while what it
         # generated since: costs priced only by their share per remaining step)
-        best_score, near_score, near = 1.0, 0.0, best
+        best_score, near_score, near, near_tokens = 1.0, 0.0, best, float(n)
         factors = {}
         cold = {}
         reads = {}  # context tokens the drafter reads for each request, a cold one's spread over its steps
+        read_shares = {}
         for i in adaptive:
             st, req = states[i], requests[i]
             cold[i] = not st.history or st.idle_steps > self.settings.warm_steps
-            reads[i] = max(0, req.num_tokens - st.read_upto)
+            unread = max(0, req.num_tokens - st.read_upto)
+            share = 1.0
             if cold[i]:
                 left = max(1, req.max_tokens - len(req.output_token_ids))
-                reads[i] /= max(1.0, left / _TOKENS_PER_DRAFT_STEP)
+                share = 1 / max(1.0, left / _TOKENS_PER_DRAFT_STEP)
+            reads[i] = unread * share
+            read_shares[i] = (unread, share)
             factor = self.acceptance.request_factor(requests[i].request_id)
             probe = st.idle_steps >= self.settings.probe_every
             if st.history and probe:
@@ -425,6 +464,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 factor = max(factor, 1.0)
             factors[i] = (factor, self.settings.explore_bonus if probe or not st.history else 0.0)
         shape_cache: dict[tuple[int, int], tuple[float, float]] = {}  # requests mostly share their caps
+        line = self.target_cost.tree_step(base - fixed_tokens, context)  # the step's prices, looked up once
         for depth in range(1, max_depth + 1):
             for width in range(1, max_width + 1):
                 options: list[tuple[float, int, int]] = []  # (gain, budget, index)
@@ -432,7 +472,7 @@ class AdaptivePolicy(SpeculationPolicy):
                     cap = caps[i]
                     shape = (min(cap.depth, depth), min(cap.width, width))
                     if shape not in shape_cache:
-                        shape_cache[shape] = self.shapes.predict(*shape)
+                        shape_cache[shape] = self.shapes.predict(*shape, optimism=self.settings.optimism)
                     shape_gain, shape_nodes = shape_cache[shape]
                     gain = factors[i][0] * shape_gain + factors[i][1]
                     if gain >= self.settings.min_gain:
@@ -442,12 +482,15 @@ class AdaptivePolicy(SpeculationPolicy):
                 previous = read = 0.0
                 for m, (g, b, i) in enumerate(options, 1):
                     gain, budget, num_cold, read = gain + g, budget + b, num_cold + cold[i], read + reads[i]
-                    step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
+                    if line is None:
+                        step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
+                    else:
+                        step = line[0] + line[1] * (fixed_trees + m) + line[2] * (fixed_tokens + budget)
                     step += self.draft_cost.predict(depth, width, m) + self.draft_cost.predict_reading(read) + policy_s
                     goodput = (n + gain) / step
                     score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
                     if score > near_score:
-                        near_score, near = score, ((depth, width), options, m)
+                        near_score, near, near_tokens = score, ((depth, width), options, m), n + gain
                     if score > best_score:
                         best_score, best = score, near
                     if goodput < previous:  # past the peak: requests come in falling gain per token
@@ -459,7 +502,9 @@ class AdaptivePolicy(SpeculationPolicy):
             near_shape=near[0],
             near_chosen=[i for _, _, i in near[1][: near[2]]],
             near_score=near_score,
+            near_tokens=near_tokens,
             plain_goodput=plain_goodput,
+            reads=read_shares,
         )
 
     # ---- verification budget ----------------------------------------------------------------------
@@ -536,6 +581,7 @@ class AdaptivePolicy(SpeculationPolicy):
         gains = [0.0] * (len(requests) + 1)  # index -1: the plain decoders
         best_k, best_g, best_violation, best_violating_k = 0, -1.0, math.inf, 0
         total, trees, counted = 0.0, fixed_trees, set()
+        line = self.target_cost.tree_step(base - fixed_tokens, self._step_context)
         for k in range(len(nodes) + 1):
             if k:
                 est, j, _ = nodes[k - 1]
@@ -544,7 +590,10 @@ class AdaptivePolicy(SpeculationPolicy):
                 if j not in counted:
                     counted.add(j)
                     trees += 1
-            t = self.target_cost.predict(base + k, trees, fixed_tokens + k, self._step_context)
+            if line is None:
+                t = self.target_cost.predict(base + k, trees, fixed_tokens + k, self._step_context)
+            else:
+                t = line[0] + line[1] * trees + line[2] * (fixed_tokens + k)
             violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
             if violation <= 1.0:
                 g = (n + total) / t
@@ -565,13 +614,20 @@ class AdaptivePolicy(SpeculationPolicy):
                 self.observed_step_s.add(record.target_s)
         self._pending_prediction = None
         if self._probe is not None:  # charge the probe what it really cost (it was charged its prediction)
-            charged, plain_goodput = self._probe
-            seconds = record.target_s + record.draft_s + record.read_s
+            # a cold request's reading is charged as the search priced it: its share per remaining step
+            charged, plain_goodput, read_share = self._probe
+            seconds = record.target_s + record.draft_s + record.read_s * read_share
+            seconds += max(0.0, record.policy_s - self.policy_plain_s.value)  # what drafting added to it
             if seconds > 0 and plain_goodput > 0:
-                realised = (self._step_decoders + self._step_accepted) / seconds
-                loss = plain_goodput / realised - 1 - charged
-                # at most `_CREDIT_FLOOR` in debt: one outlier step cannot silence the idle probes for long
-                self._probe_credit = min(1.0, max(_CREDIT_FLOOR, self._probe_credit - loss))
+                # time beyond what plain decoding takes for the tokens it emitted, in plain steps: linear
+                # in the tokens, so a lucky and an unlucky step average to what the draft is worth
+                n = self._step_decoders
+                loss = (seconds * plain_goodput - n - self._step_accepted) / n - charged
+                # at most `_CREDIT_FLOOR` in debt: one outlier step cannot silence the idle probes for long;
+                # a streak that reaches it ends
+                self._probe_credit = min(1.0, self._probe_credit - loss)
+                if self._probe_credit <= _CREDIT_FLOOR:
+                    self._probe_credit, self._streak_left = _CREDIT_FLOOR, 0
             self._probe = None
         self._step_accepted = 0
         if record.policy_s:
