@@ -73,10 +73,11 @@ class AcceptanceModel:
         scores = tree.scores or [1.0] * tree.size
         predicted = self.expected_accepted(request_id, tree)
         globally = sum(self.node_estimates(request_id, tree, per_request=False)[1:])
-        raw = [0.0] * tree.depth
+        depth = tree.depth
+        raw = [0.0] * depth
         for i in range(1, tree.size):
             raw[tree.depths[i] - 1] += scores[i]
-        while len(self.scores_by_depth) < tree.depth:  # a new depth starts from its first tree
+        while len(self.scores_by_depth) < depth:  # a new depth starts from its first tree
             self.scores_by_depth.append(0.0)
             self.observed_by_depth.append(0.0)
         for d, s in enumerate(raw, 1):

@@ -594,7 +594,7 @@ class AdaptivePolicy(SpeculationPolicy):
                 t = self.target_cost.predict(base + k, trees, fixed_tokens + k, self._step_context)
             else:
                 t = line[0] + line[1] * trees + line[2] * (fixed_tokens + k)
-            violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
+            violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0) if targets else 0.0
             if violation <= 1.0:
                 g = (n + total) / t
                 if g > best_g:
