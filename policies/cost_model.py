@@ -183,9 +183,10 @@ class TargetCostModel:
 
     def tree_step(self, base_tokens: int, context: int | None = None) -> tuple[float, float, float] | None:
         """(seconds of the plain step over `base_tokens` tokens, seconds per tree, seconds per draft token):
-        `predict(base_tokens + k, trees, k, context)` is the plain step plus trees and k draft tokens
-        at those prices, so an optimizer pricing many options of one batch asks once (None before any
-        tree step, while draft tokens cost what the plain curve says)."""
+        for one tree or more, `predict(base_tokens + k, trees, k, context)` is the plain step plus trees
+        and k draft tokens at those prices (with none, the plain step alone), so an optimizer pricing
+        many options of one batch asks once. None before any tree step, while draft tokens cost what
+        the plain curve says."""
         overhead = self.overhead(base_tokens)
         if overhead is None:
             return None

@@ -203,6 +203,7 @@ class _Search:
     # per request index: (context tokens the drafter reads, the share of their reading priced into this
     # step: a cold request's whole reading is spread over the steps it has left)
     reads: dict[int, tuple[int, float]] = field(default_factory=dict)
+    probed: frozenset[int] = frozenset()  # requests priced as if average again (a one-plan probe)
     key: tuple = ()  # the batch it was made for: request ids, caps, other tokens
     until: int = 0  # reused while the policy has made fewer plans than this
 
@@ -260,7 +261,7 @@ class ShapeTable:
             else:
                 p = reach.value
                 if k == 1 and optimism:
-                    p = min(1.0, p + optimism * math.sqrt(max(0.0, p * (1 - p)) / reach.count))
+                    p = min(1.0, p + optimism * math.sqrt(max(0.0, p * (1 - p)) / max(1, reach.count)))
                 gain += p
                 nodes += self.nodes[(k, width)].value
         return gain, nodes
@@ -310,6 +311,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _search: _Search | None = None  # the last shape search, while it may be reused
     _idle_searches: int = 0  # searches in a row in which drafting paid for no request
     _streak_left: int = 0  # plans the current credit probe's streak goes on for
+    _streak_key: tuple = ()  # the batch it probes
     # this step's probe: (loss charged to the credit when chosen, plain decoding's goodput, the share
     # of its reading time priced into the step); the draft tokens its verification accepted
     _probe: tuple[float, float, float] | None = None
@@ -340,9 +342,11 @@ class AdaptivePolicy(SpeculationPolicy):
         for i in adaptive:
             st = states[i] = self.requests.setdefault(requests[i].request_id, _RequestState())
             st.idle_steps += 1
-        # While drafting pays for no request of an unchanged batch, the search's answer is reused for a
-        # few plans (1, 2, 4, ... up to `idle_search_every`, where it stays until drafting pays again):
-        # the models move little over plain steps, and at batch 1 a search costs a few percent of a step.
+        # The search's answer is reused for a few plans of an unchanged batch: while drafting pays for no
+        # request, for 1, 2, 4, ... up to `idle_search_every` plans (where it stays until drafting pays
+        # again); while it drafts, for `search_every` plans (unless a request it chose was probed as if
+        # average, which is for one plan), and so in a probe's streak. The models move little from one
+        # step to the next, and at batch 1 a search costs a few percent of a step.
         key = (
             tuple(r.request_id for r in requests),
             tuple((c.depth, c.width, c.budget, c.fixed) for c in caps),
@@ -356,7 +360,8 @@ class AdaptivePolicy(SpeculationPolicy):
             search.key = key
             if search.best_chosen:
                 self._idle_searches = 0
-                search.until = self._num_plans + self.settings.search_every
+                probed = search.probed.intersection(search.best_chosen)
+                search.until = self._num_plans + (1 if probed else self.settings.search_every)
             else:
                 gap = 1 << min(self._idle_searches, 30)  # doubling, bounded (a server runs for days)
                 search.until = self._num_plans + min(self.settings.idle_search_every, gap)
@@ -385,6 +390,8 @@ class AdaptivePolicy(SpeculationPolicy):
         # the time the best drafting option is predicted to lose against plain decoding, in plain steps
         loss = search.near_tokens / n * (1 / search.near_score - 1) if search.near_score > 0 else math.inf
         decision = "pays" if best_chosen else "plain"
+        if best_chosen or self._streak_key != key:  # a streak probes one batch while nothing pays
+            self._streak_left = 0
         if not self.shapes.reach or (self._num_plans % every == 0 and (best_chosen or self._probe_credit >= 0)):
             decision = "shape_probe" if best_chosen else "idle_probe"
             best_shape = (max(caps[i].depth for i in adaptive), max(caps[i].width for i in adaptive))
@@ -392,7 +399,7 @@ class AdaptivePolicy(SpeculationPolicy):
         elif not best_chosen and search.near_chosen and (self._streak_left > 0 or self._probe_credit >= loss):
             decision = "credit_probe"
             if self._streak_left <= 0:
-                self._streak_left = self.settings.probe_streak
+                self._streak_left, self._streak_key = self.settings.probe_streak, key
             self._probe_credit -= loss
             best_shape, best_chosen = search.near_shape, search.near_chosen
         elif best_chosen and self._plans_since_plain >= self.settings.plain_every and not fixed_trees:
@@ -403,8 +410,12 @@ class AdaptivePolicy(SpeculationPolicy):
         if decision == "credit_probe" or (decision == "idle_probe" and self.shapes.reach):
             tokens = sum(search.reads[i][0] for i in best_chosen)
             priced = sum(search.reads[i][0] * search.reads[i][1] for i in best_chosen)
-            self._probe = (loss if decision == "credit_probe" else 0.0, search.plain_goodput, priced / max(1, tokens))
-            self._search = None  # the probe's step brings new measurements
+            charged = loss if decision == "credit_probe" else 0.0
+            self._probe = (charged, search.plain_goodput, priced / tokens if tokens else 1.0)
+            if decision == "credit_probe":  # its streak goes on with this search for a few plans
+                search.until = min(search.until, self._num_plans + self.settings.search_every)
+            else:
+                self._search = None  # the probe's step brings new measurements
         self._plans_since_plain = self._plans_since_plain + 1 if best_chosen or fixed_trees else 0
         for i in set(adaptive) - set(best_chosen):
             self.acceptance.age(requests[i].request_id)
@@ -446,6 +457,7 @@ class AdaptivePolicy(SpeculationPolicy):
         cold = {}
         reads = {}  # context tokens the drafter reads for each request, a cold one's spread over its steps
         read_shares = {}
+        probed = set()
         for i in adaptive:
             st, req = states[i], requests[i]
             cold[i] = not st.history or st.idle_steps > self.settings.warm_steps
@@ -463,6 +475,8 @@ class AdaptivePolicy(SpeculationPolicy):
                 # a bad stretch can recover; drafting still has to pay at the population's acceptance.
                 factor = max(factor, 1.0)
             factors[i] = (factor, self.settings.explore_bonus if probe or not st.history else 0.0)
+            if (st.history and probe) or factors[i][1]:
+                probed.add(i)
         shape_cache: dict[tuple[int, int], tuple[float, float]] = {}  # requests mostly share their caps
         line = self.target_cost.tree_step(base - fixed_tokens, context)  # the step's prices, looked up once
         for depth in range(1, max_depth + 1):
@@ -505,6 +519,7 @@ class AdaptivePolicy(SpeculationPolicy):
             near_tokens=near_tokens,
             plain_goodput=plain_goodput,
             reads=read_shares,
+            probed=frozenset(probed),
         )
 
     # ---- verification budget ----------------------------------------------------------------------

@@ -498,10 +498,10 @@ def test_while_nothing_pays_the_search_is_reused_for_growing_stretches_of_an_unc
 
 def test_a_probe_is_charged_what_it_really_cost():
     """A probe is priced by its prediction when chosen and by its step's measured time once it ran. A
-    probe that cost a hundred plain steps (a request's first draft reads its whole prompt, or an
-    outlier) and gained nothing puts the credit in debt: neither option probes nor idle probes follow
-    for hundreds of plans, where probes that cost what they were predicted to go on every few plans.
-    The debt is bounded (three plain steps), so an idle probe still comes within ~1,000 plans."""
+    probe that cost a hundred plain steps (an outlier) and gained nothing puts the credit in debt:
+    neither option probes nor idle probes follow for hundreds of plans, where probes that cost what
+    they were predicted to go on every few plans. The debt is bounded (three plain steps), so an idle
+    probe still comes within ~1,000 plans."""
     outcomes = {}
     for name, probe_s in (("as predicted", None), ("a hundred plain steps", 1.0)):
         p = near_and_far_policies()["near"]
@@ -643,7 +643,8 @@ def test_a_probe_that_gains_in_steady_drafting_keeps_drafting():
     """The models can price drafting below break-even from drafts made now and then (read in large
     pieces, on cold caches), while drafting every step pays. A credit probe drafts for a streak, and
     probes whose steps gain pay their credit back, so drafting goes on; probes whose steps cost what
-    was predicted come only at the `probe_cost` rate."""
+    was predicted (once warm, 0.5% of a step short of plain decoding) come at the `probe_cost`
+    rate, under half the plans."""
     outcomes = {}
     for name, step_share in (("gains", 0.5), ("as predicted", 1.0)):
         p = near_and_far_policies()["near"]
@@ -712,3 +713,50 @@ def test_optimism_drafts_an_option_measured_by_few_drafts_until_it_is_measured_w
         p.requests["a"] = _RequestState(idle_steps=0, history=True)
         chosen[(drafts, optimism)] = p.plan(reqs, caps, 0)[0] is not None
     assert chosen == {(20, 1.0): True, (10**6, 1.0): False, (20, 0.0): False}
+
+
+def test_tree_step_prices_what_predict_does():
+    """The step prices an optimizer looks up once give `predict`'s step time for every number of trees
+    and draft tokens over a batch's plain tokens, fixed trees' tokens among them."""
+    m = TargetCostModel()
+    for tokens, seconds in ((1, 0.010), (4, 0.011), (16, 0.014), (64, 0.030)):
+        m.observe(tokens, seconds)
+    assert m.tree_step(4) is None  # no tree step yet: draft tokens cost what the plain curve says
+    for trees, tokens in ((1, 2), (2, 6), (3, 3)) * 5:
+        m.observe(4 + tokens, 0.011 + 0.002 * trees + 0.0007 * tokens, trees, tokens, context=40)
+    for base, fixed_trees, fixed_tokens in ((4, 0, 0), (9, 1, 5), (20, 2, 12)):
+        plain, per_tree, per_token = m.tree_step(base - fixed_tokens, context=300)
+        for trees, k in ((1, 1), (2, 4), (3, 9)):
+            predicted = m.predict(base + k, fixed_trees + trees, fixed_tokens + k, context=300)
+            assert plain + per_tree * (fixed_trees + trees) + per_token * (fixed_tokens + k) == pytest.approx(predicted)
+
+
+def test_a_probe_streak_ends_when_the_batch_changes():
+    """A credit probe's streak probes one batch: a new batch whose option is far from paying is not
+    drafted on the streak's account."""
+    near = near_and_far_policies()["near"]
+    reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+    while near.plan(reqs, caps, 0)[0] is None:
+        near.observe_step(StepRecord(num_tokens=0, target_s=0.0))
+    assert near._streak_left > 0
+    near.observe_step(StepRecord(num_tokens=0, target_s=0.0))
+    near.draft_cost = near_and_far_policies()["far"].draft_cost  # the next batch's drafting costs 10x
+    assert near.plan([request("b")], caps, 0)[0] is None
+    assert near._streak_left == 0
+
+
+def test_a_request_probed_as_if_average_drafts_for_one_plan_not_for_the_search_s_reuse():
+    """A request idle for `probe_every` steps is priced as if its multiplier were average again; that
+    probe is one draft, so a search that chose it is not reused for the next plans."""
+    p = flat_policy(0.010, 0.004, 0.003)  # a draft token costs 4 ms, a depth-1 round 1 ms
+    p.shapes = shape_table({(1, 1): (0.9, 1.0)})
+    reqs, caps = [request("good"), request("bad")], [SpecParams(1, 1, 1)] * 2
+    for _ in range(20):  # the second request's drafts all fail: its multiplier falls
+        p.acceptance.observe("good", chain([0.9]), 1)
+        p.acceptance.observe("bad", chain([0.9]), 0)
+    assert p.acceptance.request_factor("bad") < 0.4
+    p.requests["good"] = _RequestState(idle_steps=0, history=True)
+    p.requests["bad"] = _RequestState(idle_steps=p.settings.probe_every, history=True)
+    first = p.plan(reqs, caps, 0)
+    assert first[0] is not None and first[1] is not None  # the probe
+    assert p.plan(reqs, caps, 0)[1] is None  # searched again: its own multiplier prices it
