@@ -24,6 +24,7 @@ those requests gained since they last drafted: a line in the tokens read, timed 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -191,6 +192,16 @@ class TargetCostModel:
         if overhead is None:
             return None
         return self._plain(base_tokens, context), overhead[0], overhead[1]
+
+    def pricer(self, base_tokens: int, context: int | None = None) -> Callable[[int, int], float]:
+        """`predict` for the steps of one batch: price(trees, draft_tokens) is the seconds of a step over
+        `base_tokens` plain tokens plus those trees and draft tokens, with the batch's prices
+        (`tree_step`) looked up once."""
+        line = self.tree_step(base_tokens, context)
+        if line is None:
+            return lambda trees, tokens: self.predict(base_tokens + tokens, trees, tokens, context)
+        plain, per_tree, per_token = line
+        return lambda trees, tokens: plain + per_tree * trees + per_token * tokens
 
     def overhead(self, base_tokens: int) -> tuple[float, float] | None:
         """(seconds per tree, seconds per draft token) that verifying adds to a plain step of

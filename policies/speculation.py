@@ -455,8 +455,9 @@ class AdaptivePolicy(SpeculationPolicy):
         best_score, near_score, near, near_tokens = 1.0, 0.0, best, float(n)
         factors = {}
         cold = {}
-        reads = {}  # context tokens the drafter reads for each request, a cold one's spread over its steps
-        read_shares = {}
+        # per request: the context tokens the drafter reads, and the share of their reading priced into
+        # this step (a cold request's whole reading is spread over the steps it has left)
+        reads: dict[int, tuple[int, float]] = {}
         probed = set()
         for i in adaptive:
             st, req = states[i], requests[i]
@@ -466,8 +467,7 @@ class AdaptivePolicy(SpeculationPolicy):
             if cold[i]:
                 left = max(1, req.max_tokens - len(req.output_token_ids))
                 share = 1 / max(1.0, left / _TOKENS_PER_DRAFT_STEP)
-            reads[i] = unread * share
-            read_shares[i] = (unread, share)
+            reads[i] = (unread, share)
             factor = self.acceptance.request_factor(requests[i].request_id)
             probe = st.idle_steps >= self.settings.probe_every
             if st.history and probe:
@@ -478,7 +478,7 @@ class AdaptivePolicy(SpeculationPolicy):
             if (st.history and probe) or factors[i][1]:
                 probed.add(i)
         shape_cache: dict[tuple[int, int], tuple[float, float]] = {}  # requests mostly share their caps
-        line = self.target_cost.tree_step(base - fixed_tokens, context)  # the step's prices, looked up once
+        price = self.target_cost.pricer(base - fixed_tokens, context)  # the batch's prices, looked up once
         for depth in range(1, max_depth + 1):
             for width in range(1, max_width + 1):
                 options: list[tuple[float, int, int]] = []  # (gain, budget, index)
@@ -495,11 +495,9 @@ class AdaptivePolicy(SpeculationPolicy):
                 gain = budget = num_cold = 0
                 previous = read = 0.0
                 for m, (g, b, i) in enumerate(options, 1):
-                    gain, budget, num_cold, read = gain + g, budget + b, num_cold + cold[i], read + reads[i]
-                    if line is None:
-                        step = self.target_cost.predict(base + budget, fixed_trees + m, fixed_tokens + budget, context)
-                    else:
-                        step = line[0] + line[1] * (fixed_trees + m) + line[2] * (fixed_tokens + budget)
+                    gain, budget, num_cold = gain + g, budget + b, num_cold + cold[i]
+                    read += reads[i][0] * reads[i][1]
+                    step = price(fixed_trees + m, fixed_tokens + budget)
                     step += self.draft_cost.predict(depth, width, m) + self.draft_cost.predict_reading(read) + policy_s
                     goodput = (n + gain) / step
                     score = goodput / (plain_goodput * (1 + self.settings.min_advantage * num_cold / m))
@@ -518,7 +516,7 @@ class AdaptivePolicy(SpeculationPolicy):
             near_score=near_score,
             near_tokens=near_tokens,
             plain_goodput=plain_goodput,
-            reads=read_shares,
+            reads=reads,
             probed=frozenset(probed),
         )
 
@@ -596,7 +594,7 @@ class AdaptivePolicy(SpeculationPolicy):
         gains = [0.0] * (len(requests) + 1)  # index -1: the plain decoders
         best_k, best_g, best_violation, best_violating_k = 0, -1.0, math.inf, 0
         total, trees, counted = 0.0, fixed_trees, set()
-        line = self.target_cost.tree_step(base - fixed_tokens, self._step_context)
+        price = self.target_cost.pricer(base - fixed_tokens, self._step_context)
         for k in range(len(nodes) + 1):
             if k:
                 est, j, _ = nodes[k - 1]
@@ -605,11 +603,8 @@ class AdaptivePolicy(SpeculationPolicy):
                 if j not in counted:
                     counted.add(j)
                     trees += 1
-            if line is None:
-                t = self.target_cost.predict(base + k, trees, fixed_tokens + k, self._step_context)
-            else:
-                t = line[0] + line[1] * trees + line[2] * (fixed_tokens + k)
-            violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0) if targets else 0.0
+            t = price(trees, fixed_tokens + k)
+            violation = max((t / (1 + gains[j]) / tpot for j, tpot in targets.items()), default=0.0)
             if violation <= 1.0:
                 g = (n + total) / t
                 if g > best_g:
