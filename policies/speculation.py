@@ -316,6 +316,7 @@ class AdaptivePolicy(SpeculationPolicy):
     # of its reading time priced into the step); the draft tokens its verification accepted
     _probe: tuple[float, float, float] | None = None
     _step_accepted: int = 0
+    _probing: frozenset[str] = frozenset()  # this step's probed requests: their drafts are verified whole
     # plans by decision: drafting that pays, the full-shape probes (`shape_probe_every` and
     # `idle_probe_every`), the best option that does not pay on probe credit, and no draft
     decisions: dict[str, int] = field(
@@ -329,7 +330,7 @@ class AdaptivePolicy(SpeculationPolicy):
         n = len(requests)
         self._step_decoders, self._step_other_tokens, self._step_context = n, other_tokens, context
         self._step_tpot = {r.request_id: r.tpot_target_s for r in requests if r.tpot_target_s}
-        self._probe, self._step_accepted = None, 0
+        self._probe, self._step_accepted, self._probing = None, 0, frozenset()
         if not self.target_cost.ready:
             return list(caps)
         out: list[SpecParams | None] = [cap if cap.fixed else None for cap in caps]
@@ -408,6 +409,9 @@ class AdaptivePolicy(SpeculationPolicy):
         self._streak_left = max(0, self._streak_left - 1)
         self.decisions[decision] += 1
         if decision == "credit_probe" or (decision == "idle_probe" and self.shapes.reach):
+            # a probe measures drafting where the models say it does not pay, so the allocation (which
+            # prices by the same models) does not get to drop it: its draft is verified whole
+            self._probing = frozenset(requests[i].request_id for i in best_chosen)
             tokens = sum(search.reads[i][0] for i in best_chosen)
             priced = sum(search.reads[i][0] * search.reads[i][1] for i in best_chosen)
             charged = loss if decision == "credit_probe" else 0.0
@@ -528,10 +532,12 @@ class AdaptivePolicy(SpeculationPolicy):
         if not self.target_cost.ready:
             return [fixed_subtree(t, s) for t, s in zip(trees, specs, strict=True)]
         base = self._step_decoders + self._step_other_tokens
+        # trees verified whatever they are predicted to gain (fixed requests' and probes'), their tokens
         fixed_trees = fixed_tokens = 0
         nodes: list[tuple[float, int, int]] = []  # (estimate, request index, node)
         estimates: dict[int, list[float]] = {}
         cut: dict[int, DraftTree] = {}
+        counts: dict[int, int] = {}  # nodes verified per adaptive request
         for j, (req, spec, tree) in enumerate(zip(requests, specs, trees, strict=True)):
             if tree is None or tree.num_draft == 0:
                 continue
@@ -545,10 +551,13 @@ class AdaptivePolicy(SpeculationPolicy):
             est = estimates[j] = self.acceptance.node_estimates(req.request_id, tree)
             # Each request keeps at most its budget; its best nodes come first.
             best = sorted(range(1, tree.size), key=lambda i: (-est[i], i))[: spec.budget]
+            if req.request_id in self._probing:
+                counts[j] = len(best)
+                fixed_trees, fixed_tokens, base = fixed_trees + 1, fixed_tokens + len(best), base + len(best)
+                continue
             nodes.extend((est[i], j, i) for i in best)
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))
         k = self._best_count(requests, nodes, base, fixed_trees, fixed_tokens)
-        counts: dict[int, int] = {}
         for _, j, _ in nodes[:k]:
             counts[j] = counts.get(j, 0) + 1
         depths, widths, budgets = [], [], []
@@ -570,7 +579,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.last_width = sum(widths) / len(widths) if widths else 0.0
         self.last_budget = sum(budgets) / len(budgets) if budgets else 0.0
         self._pending_prediction = self.target_cost.predict(
-            base + k, fixed_trees + len(budgets), fixed_tokens + k, self._step_context
+            base + k, sum(t is not None for t in out), fixed_tokens + k, self._step_context
         )
         return out
 

@@ -760,3 +760,22 @@ def test_a_request_probed_as_if_average_drafts_for_one_plan_not_for_the_search_s
     first = p.plan(reqs, caps, 0)
     assert first[0] is not None and first[1] is not None  # the probe
     assert p.plan(reqs, caps, 0)[1] is None  # searched again: its own multiplier prices it
+
+
+def test_a_probes_draft_is_verified_whole_where_the_allocation_would_drop_it():
+    """A probe drafts where the models say drafting does not pay; the allocation prices by the same
+    models, so it would drop the draft and the probe would measure nothing but its drafting. A probe's
+    draft is verified whole (up to its budget); outside a probe the same estimates verify nothing."""
+    p = near_and_far_policies()["near"]
+    reqs, caps = [request("a")], [SpecParams(1, 1, 1)]
+    while (spec := p.plan(reqs, caps, 0)[0]) is None:
+        p.observe_step(StepRecord(num_tokens=0, target_s=0.0))
+    assert p.decisions["credit_probe"] + p.decisions["idle_probe"] == 1
+    unlikely = chain([0.001])  # a node the allocation does not verify at 0.1 ms a token on a 10 ms step
+    (kept,) = p.allocate(reqs, [spec], [unlikely], 0)
+    assert kept is not None and kept.num_draft == 1
+    paying = flat_policy(0.010, 0.0001, 0.0)
+    paying.shapes = shape_table({(1, 1): (0.9, 1.0)})
+    (spec,) = paying.plan(reqs, caps, 0)  # drafting pays here (no drafter cost): not a probe
+    assert spec is not None and paying.decisions["pays"] == 1
+    assert paying.allocate(reqs, [spec], [unlikely], 0) == [None]
