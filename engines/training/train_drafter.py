@@ -1,6 +1,6 @@
 """Train a hidden-state drafter (Lyanna, or the EAGLE baseline) by distillation from the target.
 
-    loss = alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L))
+    loss = step_decay^(s-1) * (alpha * MSE(h, H) + beta * CE(softmax(l'), softmax(L)))
 
 over every unrolled step s of every chain anchor j: h = h^s_j predicts the target state H_{j+s},
 l' = lm_head(h) + token_info(t_{j+s}) (Lyanna; EAGLE has no token info) and L = lm_head(H_{j+s})
@@ -49,6 +49,7 @@ class TrainConfig:
     steps: int = 3  # unrolled draft steps
     alpha: float = 1.0  # hidden-state regression weight
     beta: float = 0.1  # distribution distillation weight
+    step_decay: float = 1.0  # unrolled step s weighs step_decay ** (s - 1) (1: every step alike)
     lr: float = 1e-3
     epochs: int = 1
     max_seq: int = 512  # tokens per training sequence (longer examples are cut)
@@ -88,9 +89,12 @@ def distill_loss(
     steps: int,
     alpha: float,
     beta: float,
+    step_decay: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one sequence and, per step, the share of its positions where the drafter's top-1
-    equals the target's over the drafter's vocabulary (a 0-d tensor each, not synchronised)."""
+    equals the target's over the drafter's vocabulary (a 0-d tensor each, not synchronised). Step s's
+    loss weighs `step_decay ** (s - 1)`: a later step's draft counts only where the earlier ones were
+    accepted."""
     n = hidden.shape[0]
     preds = model.unroll(hidden, tokens, steps)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -107,7 +111,7 @@ def distill_loss(
         with torch.no_grad():  # over the drafter's (possibly hot) vocabulary: renormalised target
             target_probs = model.logits(target).softmax(-1)
         ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
-        total = total + alpha * mse + beta * ce
+        total = total + step_decay ** (s - 1) * (alpha * mse + beta * ce)
         stats[f"acc{s}"] = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().detach()
     return total, stats
 
@@ -172,7 +176,7 @@ class Validator:
         for (h, t, m), top1 in self._held:
             h = h.float()
             with torch.autocast(h.device.type, dtype=torch.bfloat16):
-                loss, stats = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+                loss, stats = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
                 matches.append(chain_matches(model, h, t, m, cfg.steps, top1))
             losses.append(loss.item())
             for key, v in stats.items():
@@ -353,7 +357,7 @@ def train(
         for h, t, m in next(stream):
             h, t, m = (x[: cfg.max_seq].to(device) for x in (h.float(), t.long(), m))
             with torch.autocast(h.device.type, dtype=torch.bfloat16):
-                loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+                loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
             if loss.requires_grad:  # a sequence whose answer lies past max_seq has nothing to learn
                 (loss / per_rank_batch).backward()
             loss_sum += loss.item()
@@ -393,7 +397,7 @@ def tokens_per_second(model: LyannaDraftModel, seq: Sequence, cfg: TrainConfig, 
     for _ in range(reps):
         start = time.perf_counter()
         with torch.autocast(h.device.type, dtype=torch.bfloat16):
-            loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta)
+            loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
         if loss.requires_grad:
             loss.backward()
         if device.type == "cuda":

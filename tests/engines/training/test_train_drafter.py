@@ -9,7 +9,7 @@ from engines.config import ModelConfig
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.training.data import Example, ShardWriter
 from engines.training.features import StoredFeatures
-from engines.training.train_drafter import Run, TrainConfig, Validator, acceptance_by_step, train
+from engines.training.train_drafter import Run, TrainConfig, Validator, acceptance_by_step, distill_loss, train
 
 TARGET = ModelConfig(
     vocab_size=40,
@@ -98,3 +98,34 @@ def test_acceptance_by_step_is_conditional():
     got = acceptance_by_step(matches, follows)
     assert got["cond1"] == 3 / 4 and got["cond2"] == 1 / 2 and got["cond3"] == 0.0
     assert got["chain_tokens"] == pytest.approx(1 + 3 / 4 + 3 / 8)
+
+
+def test_step_decay_weighs_each_unrolled_step_by_its_power():
+    """With `step_decay` g the loss of 3 unrolled steps is l1 + g l2 + g^2 l3: at 0 it is one step's
+    loss (the later steps get no gradient), and the steps' losses recovered from two decays give the
+    third's loss."""
+    torch.manual_seed(1)
+    embedding = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    model = LyannaDraftModel(LyannaConfig(TARGET), embedding, torch.randn(TARGET.vocab_size, TARGET.hidden_size))
+    hidden = torch.randn(20, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (20,))
+    mask = torch.ones(20)
+    one_step, _ = distill_loss(model, hidden, tokens, mask, 1, 1.0, 0.1)
+    assert distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, step_decay=0.0)[0].item() == pytest.approx(
+        one_step.item()
+    )
+    losses = {
+        g: distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, step_decay=g)[0].item() for g in (1.0, 0.5, 0.25)
+    }
+    two_steps = distill_loss(model, hidden, tokens, mask, 2, 1.0, 0.1)[0].item()
+    l1, l2 = one_step.item(), two_steps - one_step.item()
+    l3 = losses[1.0] - two_steps
+    for g in (0.5, 0.25):
+        assert losses[g] == pytest.approx(l1 + g * l2 + g * g * l3, rel=1e-5)
+    model.zero_grad()
+    distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, step_decay=0.0)[0].backward()
+    with_decay = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    one_step.backward()
+    alone = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(with_decay, alone, strict=True))
