@@ -27,6 +27,17 @@ def test_generate_cli_rejects_bad_sampling():
     assert res.returncode == 2 and "temperature" in res.stderr
 
 
+@pytest.mark.parametrize(
+    ("module", "flag"),
+    [("engines.bench", "--compare"), ("engines.acceptance", "--drafter"), ("engines.bench.quality", "--settings")],
+)
+def test_measurement_clis_answer_where_users_call_them(module, flag):
+    # The tools live in engines/bench/; `python -m engines.bench` and `python -m engines.acceptance` keep working.
+    res = run(module, "--help")
+    assert res.returncode == 0, res.stderr
+    assert flag in res.stdout
+
+
 def test_sharegpt_prompt_file_round_trip(tmp_path):
     records = sharegpt_prompts(5)
     assert len(records) == 5 and all(r["messages"][0]["role"] == "user" for r in records)
@@ -105,7 +116,7 @@ def test_acceptance_and_draft_latency_clis_report_every_drafter(tmp_path):
     assert set(rows) == {"lyanna", "dense", "eagle"}
     assert all(1 <= len(r["acceptance_by_depth"]) <= 3 and r["mean_accepted_tokens"] >= 1.0 for r in rows.values())
     assert "| lyanna |" in res.stdout
-    res = run("engines.draft_latency", "--prompts", str(prompts), "--num-prompts", "1", "--rounds", "2")
+    res = run("engines.bench.draft_latency", "--prompts", str(prompts), "--num-prompts", "1", "--rounds", "2")
     assert res.returncode == 0, res.stderr
     lat = json.loads(res.stdout.strip().splitlines()[-1])
     assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info_table_rows"] == 1024

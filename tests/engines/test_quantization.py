@@ -266,7 +266,7 @@ def test_bf16_conversion_for_the_llama_cpp_peer(tmp_path, monkeypatch):
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
 
-    from engines.llamacpp_peer import bf16_gguf
+    from engines.bench.llamacpp_peer import bf16_gguf
 
     monkeypatch.setenv("LYANNA_CACHE_DIR", str(tmp_path / "cache"))
     source = tmp_path / "tiny.gguf"

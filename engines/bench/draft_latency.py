@@ -1,6 +1,6 @@
 """Draft-step latency breakdown: Lyanna's one-pass LM head vs a per-step head, Lyanna vs EAGLE.
 
-    python -m engines.draft_latency --prompts FILE.jsonl --num-prompts 4 --depth 3 --width 4 --budget 16
+    python -m engines.bench.draft_latency --prompts FILE.jsonl --num-prompts 4 --depth 3 --width 4 --budget 16
 
 For each prompt, both drafters see the same prefilled context; then, in interleaved rounds, the
 pieces of one draft step are timed (median milliseconds over rounds and prompts):

@@ -1,6 +1,6 @@
 """How much each weight setting changes the model: held-out ShareGPT answers scored token by token.
 
-    python -m engines.quality --num 32 --settings none,int8,int4,gguf [--kernels torch]
+    python -m engines.bench.quality --num 32 --settings none,int8,int4,gguf [--kernels torch]
 
 For each validation-split conversation (the first user turn and the assistant's answer, rendered with
 the chat template, capped at `--max-tokens`), every setting computes the log-likelihood of each answer

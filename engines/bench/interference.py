@@ -1,6 +1,6 @@
 """How much long prompts and long contexts disturb the other requests of a batch.
 
-    python -m engines.interference [--dtype bfloat16] [--long-prompt 6000] [--batch 32 --long-context 2000]
+    python -m engines.bench.interference [--dtype bfloat16] [--long-prompt 6000] [--batch 32 --long-context 2000]
 
 Two measurements, printed as one JSON line:
 

@@ -11,7 +11,7 @@ of fused, `lyanna-dense`: token info from the low-rank product instead of the ho
 `lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`; and
 `eagle-eager-draft`, the same for EAGLE),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
-`name@adaptive` runs it under the adaptive speculation policy (policies/speculation.py) with that
+`name@adaptive` runs it under the adaptive speculation policy (engines/spec_decode/policy.py) with that
 tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
 transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
@@ -149,7 +149,9 @@ def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark and print its JSON summary as the last line of stdout."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m engines.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompts", required=True, help="JSON Lines file, one {'id', 'messages'} per line")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf = HFRunner(first, args.dtype) if args.compare_hf else None
     peers: dict[str, Any] = {}
     if args.compare_llamacpp:
-        from engines.llamacpp_peer import LlamaCppRunner, bf16_gguf
+        from engines.bench.llamacpp_peer import LlamaCppRunner, bf16_gguf
         from engines.loader import gguf_source
 
         source = gguf_source(args.model)

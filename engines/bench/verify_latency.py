@@ -1,6 +1,6 @@
 """Cost of verifying sampled (temperature > 0) draft trees: the batched walk against drawing at every node.
 
-    python -m engines.verify_latency --batch-sizes 1,8,32 --rounds 15
+    python -m engines.bench.verify_latency --batch-sizes 1,8,32 --rounds 15
 
 `verify_batch` walks all requests' trees level by level and draws the target's token (positional
 Gumbel-max) only at the node each request visits. The alternative it replaced draws at every node
