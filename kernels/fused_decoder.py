@@ -65,6 +65,8 @@ class _Decoder(ctypes.Structure):
         ("cos", _p),
         ("sin", _p),
         ("layers", ctypes.POINTER(_Layer)),
+        ("max_positions", _i64),
+        ("num_slots", _i64),
     ]
 
 
@@ -73,6 +75,8 @@ class _Batch(ctypes.Structure):
         ("num_tokens", _i64),
         ("num_seqs", _i64),
         ("table_stride", _i64),
+        ("table_width", _i64),
+        ("bad", _i64),  # out: the element a failed check points at
         *((name, _p) for name in ("positions", "slots", "query_start", "seq_lens", "block_tables", "parents")),
     ]
 
@@ -100,12 +104,33 @@ def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
     )
 
 
-def _qweight(linear: PackableLinear) -> _QWeight:
+def _held(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor of its own over `t`'s values (contiguous, in `dtype`), for the C view to point into: an alias
+    that a later `.data =` on `t` does not redirect, so the memory stays alive as long as the view does."""
+    t = t.detach()
+    return (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def _qweight(linear: PackableLinear, n: int, k: int, held: list[object]) -> _QWeight:
+    """The C view of `linear`'s quantized weight, checked to be the [n, k] matrix the layer reads (its
+    tensors appended to `held`)."""
     q = linear.quant
-    assert q is not None
-    mins = q.mins.data_ptr() if q.mins is not None else None
-    n, k = q.out_features, q.in_features
-    return _QWeight(q.data.data_ptr(), q.scales.data_ptr(), mins, n, k, q.bits, q.layout == "vnni")
+    if q is None or q.layout not in INTEGER_LAYOUTS:
+        raise ValueError("the fused decoder takes integer-dot quantized projections")
+    if (q.out_features, q.in_features) != (n, k) or k % integer_dot.GROUP or (q.layout == "vnni" and n % 16):
+        raise ValueError(f"a projection is [{q.out_features}, {q.in_features}], the layer reads [{n}, {k}]")
+    mins_needed = q.bits == 4 or q.layout == "vnni"
+    sizes = [(q.data, 1, n * k * q.bits // 8), (q.scales, 2, n * k // integer_dot.GROUP)]
+    if q.mins is not None or mins_needed:
+        sizes.append((q.mins, 2, n * k // integer_dot.GROUP))
+    for t, width, numel in sizes:
+        if t is None or t.device.type != "cpu" or t.element_size() != width or t.numel() != numel:
+            raise ValueError(f"a [{n}, {k}] {q.kind} weight's tensors do not have the sizes the kernel reads")
+    codes, scales = _held(q.data), _held(q.scales)
+    mins = _held(q.mins) if q.mins is not None else None
+    held += [t for t in (codes, scales, mins) if t is not None]
+    mins_ptr = mins.data_ptr() if mins is not None else None
+    return _QWeight(codes.data_ptr(), scales.data_ptr(), mins_ptr, n, k, q.bits, q.layout == "vnni")
 
 
 @dataclass
@@ -134,62 +159,152 @@ def layer_weights(layer) -> LayerWeights:
 
 
 class _Layers:
-    """The C view of some decoder layers over a paged cache (`k`, `v`: [layers, slots, kv_heads, head_dim]),
-    holding every tensor its pointers point into."""
+    """The C view of some decoder layers over a paged cache (`cache.k`, `cache.v`: [layers, slots, kv_heads,
+    head_dim]), holding every tensor its pointers point into.
 
-    def __init__(self, cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor, layers: list[LayerWeights],
-                 k: torch.Tensor, v: torch.Tensor, block_size: int):  # fmt: skip
-        self._tensors = [cos.float().contiguous(), sin.float().contiguous()]  # fp32 copies the struct points to
+    The view is taken from the model's tensors as they are when it is built; `run` builds it again when any
+    of them was swapped since (a projection's quantized weight replaced, a norm's or rotary table's `.data`
+    or the cache reassigned), and until then the old tensors are held, so no pointer ever dangles."""
+
+    def __init__(self, cfg: ModelConfig, rotary, layers: list[LayerWeights], cache, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        self.cfg, self.rotary, self.layers, self.cache, self.block_size = cfg, rotary, layers, cache, block_size
+        self._build()
+
+    def _sources(self) -> list[int]:
+        """Where the view's pointers come from: the storage of the rotary tables, the cache and the norms, and
+        the projections' quantized weights (held by the view, so their ids are not reused while it lives)."""
+        r, c = self.rotary, self.cache
+        ids = [r.cos.data_ptr(), r.sin.data_ptr(), c.k.data_ptr(), c.v.data_ptr()]
+        for lw in self.layers:
+            ids += (lw.input_norm.data_ptr(), lw.post_attn_norm.data_ptr(), id(lw.qkv_proj.quant),
+                    id(lw.o_proj.quant), id(lw.gate_up_proj.quant), id(lw.down_proj.quant))  # fmt: skip
+        return ids
+
+    def _build(self) -> None:
+        cfg, layers, bs = self.cfg, self.layers, self.block_size
+        H, D, Hq, Hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        k, v = self.cache.k.detach(), self.cache.v.detach()  # written in place: never a copy
+        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(layers) or k.shape[2:] != (Hk, D):
+            raise ValueError(f"the cache is {list(k.shape)}, the layers read [{len(layers)}, slots, {Hk}, {D}]")
+        if k.dtype not in CACHE_DTYPES or v.dtype != k.dtype or k.device.type != "cpu" or k.shape[1] % bs:
+            raise ValueError("the cache must be fp32 or bf16 on CPU, a whole number of blocks")
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("the cache must be contiguous")
+        cos, sin = _held(self.rotary.cos, torch.float32), _held(self.rotary.sin, torch.float32)
+        if cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape:
+            raise ValueError(f"the rotary tables are {list(cos.shape)}, the layers read [positions, {D}]")
+        sources = self._sources()
+        # The tensors the structs point into, and what `sources` names (a norm's own storage where `held` has
+        # an fp32 copy, the quantized weights): while held, no new tensor or weight can reuse their addresses.
+        held: list[object] = [cos, sin, k, v, self.rotary.cos.detach(), self.rotary.sin.detach()]
         structs = []
         for i, lw in enumerate(layers):
-            norms = [lw.input_norm.float().contiguous(), lw.post_attn_norm.float().contiguous()]
-            self._tensors += norms
-            weights = (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj)
-            structs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *map(_qweight, weights),
-                                  k[i].data_ptr(), v[i].data_ptr()))  # fmt: skip
-        self._layers = (_Layer * len(structs))(*structs)
-        self._keep = (layers, k, v)  # the quantized weights and the cache the layers point into
+            held += [lw.input_norm.detach(), lw.post_attn_norm.detach()]
+            held += [lw.qkv_proj.quant, lw.o_proj.quant, lw.gate_up_proj.quant, lw.down_proj.quant]
+            norms = [_held(lw.input_norm, torch.float32), _held(lw.post_attn_norm, torch.float32)]
+            if any(n.shape != (H,) for n in norms):
+                raise ValueError(f"a norm's weight must be [{H}]")
+            held += norms
+            weights = [
+                _qweight(lw.qkv_proj, (Hq + 2 * Hk) * D, H, held),
+                _qweight(lw.o_proj, H, Hq * D, held),
+                _qweight(lw.gate_up_proj, 2 * inter, H, held),
+                _qweight(lw.down_proj, H, inter, held),
+            ]
+            structs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr()))
+        self._held = held
+        self._layer_structs = (_Layer * len(structs))(*structs)
         self.decoder = _Decoder(
             num_layers=len(layers),
-            hidden=cfg.hidden_size,
-            intermediate=cfg.intermediate_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            block_size=block_size,
+            hidden=H,
+            intermediate=inter,
+            num_heads=Hq,
+            num_kv_heads=Hk,
+            head_dim=D,
+            block_size=bs,
             cache_bf16=int(k.dtype == torch.bfloat16),
             eps=cfg.rms_norm_eps,
-            scale=cfg.head_dim**-0.5,
-            cos=self._tensors[0].data_ptr(),
-            sin=self._tensors[1].data_ptr(),
-            layers=self._layers,
+            scale=D**-0.5,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            layers=self._layer_structs,
+            max_positions=cos.shape[0],
+            num_slots=k.shape[1],
         )
+        self._sources_at_build = sources
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
             seq_lens: torch.Tensor, tables: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Every layer over the new tokens `x` ([T, hidden]); returns the last layer's output, fp32."""
-        T = x.shape[0]
-        assert 0 < T <= MAX_ROWS
+        """Every layer over the new tokens `x` ([T, hidden]); returns the last layer's output, fp32.
+
+        Shapes are checked here and every index in C before anything is read or written (`check_batch` of
+        decoder.c): ValueError or IndexError name the first bad one."""
+        if self._sources() != self._sources_at_build:
+            self._build()
+        T, B = x.shape[0], seq_lens.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or not 0 < T <= MAX_ROWS:
+            raise ValueError(f"x must be [1..{MAX_ROWS}, {self.cfg.hidden_size}], not {list(x.shape)}")
+        for name, a, n in (("positions", positions, T), ("slots", slots, T), ("parents", parents, T),
+                           ("seq_lens", seq_lens, B), ("query_start", query_start, B + 1)):  # fmt: skip
+            if a.shape != (n,) or a.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor of {n} entries, not {list(a.shape)} on {a.device}")
+        if tables.dim() != 2 or tables.shape[0] < B or tables.device.type != "cpu":
+            raise ValueError(f"block_tables must be a CPU [{B}, blocks] tensor, not {list(tables.shape)}")
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:  # (rows of a wider buffer are read in place)
+            tables = tables.to(torch.int32).contiguous()
         x = x.float().contiguous()
         arrays = [positions.to(torch.int64), slots.to(torch.int64), query_start.to(torch.int32),
                   seq_lens.to(torch.int32), parents.to(torch.int32)]  # fmt: skip
         positions, slots, query_start, seq_lens, parents = (a.contiguous() for a in arrays)
-        assert tables.dtype == torch.int32 and tables.stride(1) == 1
-        batch = _Batch(T, len(seq_lens), tables.stride(0), positions.data_ptr(), slots.data_ptr(),
+        batch = _Batch(T, B, tables.stride(0), tables.shape[1], 0, positions.data_ptr(), slots.data_ptr(),
                        query_start.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(), parents.data_ptr())  # fmt: skip
-        lib = integer_dot.library()
-        if lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), torch.get_num_threads()):
+        lib, threads = integer_dot.library(), torch.get_num_threads()
+        code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
+        if code == -1:
             raise MemoryError("the fused decoder could not allocate its buffers")
+        if code:
+            raise self._bad_batch(code, batch.bad, positions, slots, query_start, seq_lens, tables, parents)
         return x
+
+    def _bad_batch(self, code: int, at: int, positions: torch.Tensor, slots: torch.Tensor,
+                   query_start: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+                   parents: torch.Tensor) -> Exception:  # fmt: skip
+        """The error for `check_batch`'s `code` at element `at` (decoder.c's BAD_* values)."""
+        d = self.decoder
+        if code == 1:
+            return ValueError(f"query_start must start at 0, not decrease and end at the {positions.shape[0]} "
+                              f"tokens: query_start[{at}] = {int(query_start[at])}")  # fmt: skip
+        if code == 2:
+            return ValueError(f"seq_lens[{at}] = {int(seq_lens[at])} is fewer than the sequence's "
+                              f"{int(query_start[at + 1] - query_start[at])} new tokens")  # fmt: skip
+        if code == 3:
+            return IndexError(f"sequence {at}'s cached tokens need more blocks than its block-table row's "
+                              f"{tables.shape[1]}")  # fmt: skip
+        if code == 4:
+            row, col = divmod(at, tables.shape[1])
+            return IndexError(f"block_tables[{row}, {col}] = {int(tables[row, col])} is not one of the cache's "
+                              f"{d.num_slots // d.block_size} blocks")  # fmt: skip
+        if code == 5:
+            return IndexError(f"positions[{at}] = {int(positions[at])} is outside the rotary tables' "
+                              f"{d.max_positions} positions")  # fmt: skip
+        if code == 6:
+            return IndexError(f"slots[{at}] = {int(slots[at])} is outside the cache's {d.num_slots} slots")
+        if code == 7:
+            return ValueError(f"parents[{at}] = {int(parents[at])} is neither -1 nor an earlier token of its "
+                              "sequence")  # fmt: skip
+        return RuntimeError(f"the fused decoder failed with code {code}")
 
 
 class FusedDecoder:
     """Every decoder layer of `model` over `kv_cache`, for up to `MAX_ROWS` new tokens in one call."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
-        assert applies(model, kv_cache)
-        rotary, layers = model.rotary, [layer_weights(layer) for layer in model.layers]
-        self._layers = _Layers(model.cfg, rotary.cos, rotary.sin, layers, kv_cache.k, kv_cache.v, kv_cache.block_size)
+        if not applies(model, kv_cache):
+            raise ValueError("the fused decoder does not apply to this model and cache (see `applies`)")
+        layers = [layer_weights(layer) for layer in model.layers]
+        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size)
 
     def __call__(
         self,
@@ -198,7 +313,8 @@ class FusedDecoder:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] fp32: the last layer's output, before the final norm
         """Run every layer over the step's new tokens (K/V written to their slots)."""
-        assert meta.parents is not None
+        if meta.parents is None:
+            raise ValueError("the fused decoder needs the step's parents (AttentionMetadata.parents)")
         return self._layers.run(
             x, positions, meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_tables, meta.parents
         )
@@ -218,11 +334,10 @@ class FusedDraftLayer:
                  dtype: torch.dtype, scratch_per_seq: int, max_seqs: int):  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_per_seq, self.max_seqs = scratch_per_seq, max_seqs
-        self._build = (cfg, rotary, layer)
         slots = (num_blocks + scratch_per_seq * max_seqs) * block_size
         shape = (1, slots, cfg.num_kv_heads, cfg.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        self._layers = _Layers(cfg, rotary.cos, rotary.sin, [layer], self.k, self.v, block_size)
+        self._layers = _Layers(cfg, rotary, [layer], self, block_size)  # follows `reserve`'s new k and v
 
     def scratch(self, b: int) -> list[int]:
         """The scratch block ids of a call's sequence `b`."""
@@ -237,13 +352,11 @@ class FusedDraftLayer:
         if seqs <= self.max_seqs:
             return
         seqs = max(seqs, 2 * self.max_seqs)
-        cfg, rotary, layer = self._build
         kept = self.num_blocks + self.scratch_per_seq * self.max_seqs
         slots = (self.num_blocks + self.scratch_per_seq * seqs) * self.block_size
         k, v = (t.new_zeros((1, slots, *t.shape[2:])) for t in (self.k, self.v))
         k[:, : kept * self.block_size], v[:, : kept * self.block_size] = self.k, self.v
-        self.k, self.v, self.max_seqs = k, v, seqs
-        self._layers = _Layers(cfg, rotary.cos, rotary.sin, [layer], self.k, self.v, self.block_size)
+        self.k, self.v, self.max_seqs = k, v, seqs  # the next call builds the C view over them
 
     def block_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the K and V cache as [blocks, block_size, kv_heads, head_dim], for block copies."""

@@ -38,11 +38,13 @@ typedef struct {
     float eps, scale;   /* RMSNorm epsilon; attention's 1 / sqrt(head_dim) */
     const float *cos, *sin; /* [max_positions, head_dim] rotary tables (rotate-half layout) */
     const Layer *layers;
+    int64_t max_positions, num_slots; /* rows of cos and sin; slots of each layer's cache */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
 typedef struct {
-    int64_t num_tokens, num_seqs, table_stride;
+    int64_t num_tokens, num_seqs, table_stride, table_width; /* block_tables: [B, table_width], rows stride apart */
+    int64_t bad; /* out: the element a failed check (check_batch) points at */
     const int64_t *positions;    /* [T] */
     const int64_t *slots;        /* [T] cache slot each token's K/V go to */
     const int32_t *query_start;  /* [B + 1] */
@@ -274,12 +276,49 @@ static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act
     }
 }
 
+/* What check_batch finds wrong (decoder_forward's return value). */
+enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT };
+
+/* Every index the forward reads is checked against what it addresses before anything is read or written,
+ * so no batch can drive it outside its tables and cache: query_start starts at 0, never decreases and ends
+ * at T; each sequence has at least its new tokens as keys, its cached keys fit its block-table row, whose
+ * entries it reads are blocks of the cache; positions index the rotary tables; slots index the cache; a
+ * token's parent is -1 or an earlier token of its sequence (so the ancestor walk ends). Returns 0, or the
+ * first failed check with the offending element in b->bad (a table entry as row * table_width + column). */
+static int check_batch(const Decoder *m, Batch *b) {
+    const int64_t T = b->num_tokens, B = b->num_seqs, bs = m->block_size, blocks = m->num_slots / m->block_size;
+    b->bad = 0;
+    if (b->query_start[0] != 0) return BAD_QUERY_START;
+    for (int64_t s = 0; s < B; s++) {
+        const int64_t first = b->query_start[s], end = b->query_start[s + 1];
+        if (end < first || end > T) return b->bad = s + 1, BAD_QUERY_START;
+        if (b->seq_lens[s] < end - first) return b->bad = s, BAD_SEQ_LEN;
+        const int64_t cached = b->seq_lens[s] - (end - first), used = (cached + bs - 1) / bs;
+        if (used > b->table_width) return b->bad = s, BAD_TABLE_WIDTH;
+        for (int64_t j = 0; j < used; j++) {
+            const int64_t block = b->block_tables[s * b->table_stride + j];
+            if (block < 0 || block >= blocks) return b->bad = s * b->table_width + j, BAD_BLOCK;
+        }
+        for (int64_t t = first; t < end; t++)
+            if (b->parents[t] < -1 || b->parents[t] >= t - first) return b->bad = t, BAD_PARENT;
+    }
+    if (b->query_start[B] != T) return b->bad = B, BAD_QUERY_START;
+    for (int64_t t = 0; t < T; t++) {
+        if (b->positions[t] < 0 || b->positions[t] >= m->max_positions) return b->bad = t, BAD_POSITION;
+        if (b->slots[t] < 0 || b->slots[t] >= m->num_slots) return b->bad = t, BAD_SLOT;
+    }
+    return 0;
+}
+
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* x [T, hidden] fp32, the residual stream after the embedding, becomes the last layer's output (before the
- * final norm); every layer's K/V of the new tokens are written to their slots. Returns 0, or -1 when out of
- * memory (x and the new tokens' K/V are then unchanged). */
-int decoder_forward(const Decoder *m, const Batch *b, float *x, int threads) {
+ * final norm); every layer's K/V of the new tokens are written to their slots. Returns 0, -1 when out of
+ * memory, or check_batch's code for a batch that indexes outside its tables (x and the cache are then
+ * unchanged). */
+int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
+    const int bad = check_batch(m, b);
+    if (bad) return bad;
     const int64_t T = b->num_tokens, H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t q_width = m->num_heads * D, kv_width = m->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
     const int64_t most_keys = max_keys(b), keys = most_keys > 0 ? most_keys : 1, widest = max3(H, q_width, I);
