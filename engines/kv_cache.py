@@ -10,8 +10,6 @@ import torch
 from engines.errors import CacheCapacityError
 from kernels.dispatch import use_triton
 
-MAX_COMMIT_MOVES = 4096  # more moves than this in one step take the PyTorch copy
-
 
 def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
     """Whether this CPU computes in `dtype` natively (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16)."""
@@ -37,12 +35,13 @@ def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device
 def copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """k[:, dst] = k[:, src] and the same for v ([layers, slots, kv_heads, head_dim] caches, [M] int64
     slot indices on their device): every source is read before any destination is written. Runs the
-    Triton kernel of `kernels/kv_commit.py` where `use_triton` says so."""
-    if use_triton(k) and len(src) <= MAX_COMMIT_MOVES:
-        from kernels.kv_commit import triton_copy_slots
+    Triton kernel of `kernels/kv_commit.py` where `use_triton` says so (up to its moves per launch)."""
+    if use_triton(k):
+        from kernels.kv_commit import MAX_COMMIT_MOVES, triton_copy_slots  # lazily: triton is optional
 
-        triton_copy_slots(k, v, src, dst)
-        return
+        if len(src) <= MAX_COMMIT_MOVES:
+            triton_copy_slots(k, v, src, dst)
+            return
     # Advanced indexing gathers into a new tensor first, so overlapping moves are safe.
     k[:, dst] = k[:, src]
     v[:, dst] = v[:, src]

@@ -1,9 +1,13 @@
 """Triton KV commit: copy the K/V of accepted draft nodes into place, every layer, in one launch.
 
-Behind `engines.kv_cache.PagedKVCache.move_slots`' copy (`copy_slots`, same arguments). One program per
-(layer, K or V, chunk of a slot's row) reads the rows of every source slot before it writes any
-destination, so overlapping moves (a destination that is another move's source) behave as a gather
-followed by a scatter, like the PyTorch reference.
+Behind `engines.kv_cache.copy_slots` (same arguments; that module imports this one only where the kernel
+runs, and this one imports nothing from `engines`). The moves of a step may overlap: `PagedKVCache.path_moves`
+of a path that skips a node moves each later node one index down, onto the slot the previous move reads
+from. So they must act as a gather followed by a scatter, like the PyTorch reference:
+- within a program, every move's source is loaded, then a barrier (on a GPU a program's moves run on
+  different threads, with no order between warps otherwise), then every destination is stored;
+- across programs, nothing overlaps: one program per (layer, K or V, chunk of a slot's row) takes every
+  move, so the programs read and write disjoint elements whatever the moves.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engines.kv_cache import MAX_COMMIT_MOVES
 from kernels.dispatch import next_power_of_2
 
+MAX_COMMIT_MOVES = 4096  # moves one launch takes (all in registers at once); a step with more takes PyTorch's copy
 TILE = 8192  # elements one program holds: moves x row chunk
 
 
@@ -33,6 +37,10 @@ def _kv_commit_kernel(
     layer = tl.program_id(0)
     plane = tl.program_id(1)
     chunk = tl.program_id(2)
+    if plane == 0:
+        cache = k_ptr
+    else:
+        cache = v_ptr
     i = tl.arange(0, BLOCK_MOVES)
     e = chunk * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     ok = (i < num_moves)[:, None] & (e < row)[None, :]
@@ -40,10 +48,9 @@ def _kv_commit_kernel(
     dst = tl.load(dst_ptr + i, mask=i < num_moves, other=0)
     from_offsets = layer.to(tl.int64) * layer_stride + src[:, None] * row + e[None, :]
     to_offsets = layer.to(tl.int64) * layer_stride + dst[:, None] * row + e[None, :]
-    if plane == 0:
-        tl.store(k_ptr + to_offsets, tl.load(k_ptr + from_offsets, mask=ok), mask=ok)
-    else:
-        tl.store(v_ptr + to_offsets, tl.load(v_ptr + from_offsets, mask=ok), mask=ok)
+    rows = tl.load(cache + from_offsets, mask=ok)  # every move's source ...
+    tl.debug_barrier()  # ... read by every thread of the program before any destination is written
+    tl.store(cache + to_offsets, rows, mask=ok)
 
 
 def triton_copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -53,8 +60,10 @@ def triton_copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: 
         return
     if moves > MAX_COMMIT_MOVES:
         raise ValueError(f"at most {MAX_COMMIT_MOVES} slot moves per launch, got {moves}")
-    if not (k.is_contiguous() and v.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError("the K and V caches must be contiguous, of one shape and dtype")
+    if dst.shape != src.shape:
+        raise ValueError(f"{moves} sources but {dst.shape[0]} destinations")
     layers, _, kv_heads, head_dim = k.shape
     row = kv_heads * head_dim
     block_moves = next_power_of_2(max(moves, 2))

@@ -309,6 +309,62 @@ def test_kv_commit_kernel_gathers_before_it_scatters(mode):
     assert torch.equal(kv.k, want_k)
 
 
+def test_kv_commit_kernel_on_path_moves_whose_destinations_are_other_moves_sources(mode):
+    """`path_moves` of paths that skip a node: every later node moves one index down, onto the slot the
+    move before it reads (a chain of 40 overlapping moves across blocks, and a shorter one beside it). The
+    kernel's result equals the PyTorch reference's and node path[i] lands at base + i."""
+    torch.manual_seed(2)
+    commits = [("long", 5, [0, *range(2, 42)]), ("short", 2, [0, 1, 3, 4, 6])]
+    kv = commit_cache(torch.float32)
+    for seq, base, path in commits:
+        kv.allocate(seq, base + max(path) + 1)
+    tables = {s: list(t) for s, t in kv.block_tables.items()}
+    src, dst = kv.path_moves(commits)
+    assert len(src) == 40 + 3 and len(set(src) & set(dst)) == 39 + 2  # the overlapping case
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    moves = torch.tensor([src, dst], device=DEVICE)
+    results = []
+    for kind in ("triton", "torch"):
+        k, v = before_k.clone(), before_v.clone()
+        mode(kind)
+        copy_slots(k, v, moves[0], moves[1])
+        results.append((k, v))
+    (k, v), (ref_k, ref_v) = results
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    for seq, base, path in commits:
+        bs = kv.block_size
+        for i, node in enumerate(path):
+            a, b = base + i, base + node
+            to, frm = tables[seq][a // bs] * bs + a % bs, tables[seq][b // bs] * bs + b % bs
+            assert torch.equal(k[:, to], before_k[:, frm]) and torch.equal(v[:, to], before_v[:, frm])
+
+
+def test_kv_commit_kernel_compiled_for_a_gpu_loads_then_syncs_then_stores():
+    """On a GPU a program's moves run on different threads (with no order between warps), unlike Triton's
+    interpreter: compiled for an H100 (no GPU needed), every global load of the kernel comes before its one
+    barrier and every store after it, so no move overwrites a slot another move has yet to read."""
+    import triton
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kernels.kv_commit import _kv_commit_kernel
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    kernel = JITFunction(_kv_commit_kernel.fn)  # (under TRITON_INTERPRET=1 the decorated kernel is interpreted)
+    signature = {"k_ptr": "*bf16", "v_ptr": "*bf16", "src_ptr": "*i64", "dst_ptr": "*i64", "num_moves": "i32",
+                 "layer_stride": "i64", "row": "i32", "BLOCK_MOVES": "constexpr", "BLOCK_ROW": "constexpr"}  # fmt: skip
+    source = ASTSource(fn=kernel, signature=signature, constexprs={"BLOCK_MOVES": 64, "BLOCK_ROW": 128})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+    loads = [i for i, line in enumerate(ptx) if "ld.global" in line]
+    stores = [i for i, line in enumerate(ptx) if "st.global" in line]
+    barriers = [i for i, line in enumerate(ptx) if "bar.sync" in line or "barrier.sync" in line]
+    assert loads and stores and len(barriers) == 1
+    assert max(loads) < barriers[0] < min(stores)
+
+
 def test_dispatch_modes(mode, monkeypatch):
     cpu = torch.zeros(1)
     mode("auto")
