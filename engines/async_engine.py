@@ -1,10 +1,11 @@
 """Asyncio front of the engine: `generate()` yields deltas, `abort()` stops a request.
 
 The engine's step loop runs in one background thread (model forwards release the GIL, so the event
-loop stays responsive). Requests are validated and tokenized in the caller, handed to the loop
-thread through a locked inbox, and their deltas come back through per-request asyncio queues; deltas
-that piled up while a consumer was busy come out merged, so a slow consumer costs fewer messages. A
-consumer that stops iterating (a client that disconnects) aborts its request and frees its KV blocks.
+loop stays responsive). Requests come typed (`GenerationRequest`, fields validated by their maker);
+they are admitted and tokenized in the caller, handed to the loop thread through a locked inbox, and
+their deltas come back through per-request asyncio queues; deltas that piled up while a consumer was
+busy come out merged, so a slow consumer costs fewer messages. A consumer that stops iterating (a
+client that disconnects) aborts its request and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
 
 from engines.engine import LLMEngine
 from engines.errors import EngineDeadError, InvalidRequestError
-from engines.request import Request, RequestOutput
-from engines.sampling import SamplingParams
-from engines.spec_params import SpecParams
+from engines.request import GenerationRequest, Request, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +42,17 @@ class AsyncEngine:
         """Whether the loop thread is alive and healthy."""
         return self._thread.is_alive() and self._error is None
 
-    async def generate(
-        self,
-        messages: Any = None,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        spec: SpecParams | None = None,
-        tpot_target_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Validate, queue and stream one request's deltas until it finishes.
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Admit, queue and stream one request's deltas until it finishes.
 
-        Raises InvalidRequestError before anything is queued when the request is bad.
+        Raises InvalidRequestError before anything is queued when the engine refuses the request (its
+        prompt does not fit the context, say), TypeError for anything but a GenerationRequest.
         """
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(f"AsyncEngine.generate takes a GenerationRequest, got {type(request).__name__}")
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self._error!r}")
-        req = self.engine.make_request(messages, params, request_id, prompt_token_ids, spec, tpot_target_s)
+        req = self.engine.admit(request)
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:

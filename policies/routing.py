@@ -13,7 +13,7 @@ request does not need the emptiest replica) unless that replica's load exceeds t
 by more than `imbalance`; otherwise they too go to the least loaded. Serve's default router instead
 probes two random replicas and takes the shorter queue.
 
-Routing never fails a request: a body the router cannot read (a lone surrogate in a message, a
+Routing never fails a request: a request the router cannot read (a lone surrogate in a message, a
 malformed field) is ranked by load alone, since a router that raises leaves the caller waiting
 forever. The router also answers, read-only, which replicas its process routes to and their latest
 reported stats (`policies.live_routers`): the ingress builds its readiness and replica metrics on that.
@@ -24,34 +24,43 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from policies import live_routers
 
 
-def request_body(pending: PendingRequest | None) -> dict[str, Any]:
-    """The chat request body of a pending `LLMReplica.generate(body, ...)` call ({} for other calls)."""
-    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
-        return {}
+@runtime_checkable
+class RoutedRequest(Protocol):
+    """What the router reads of the request in a pending `LLMReplica.generate(request, ...)` call
+    (serve_app.messages.ChatRequest; the policies do not import the serving layer)."""
+
+    @property
+    def messages(self) -> list[dict[str, str]] | None:
+        """The conversation, OpenAI-style."""
+        ...
+
+    @property
+    def slo_class(self) -> str | None:
+        """The request's SLO class, if it names one."""
+        ...
+
+
+def routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
+    """The request of a pending `LLMReplica.generate` call (None for other calls)."""
+    if pending is None or not pending.args or not isinstance(pending.args[0], RoutedRequest):
+        return None
     return pending.args[0]
 
 
-def prefix_key(body: dict[str, Any], chars: int) -> str | None:
+def prefix_key(messages: list[dict[str, str]] | None, chars: int) -> str | None:
     """A hash of the conversation's first `chars` characters (None without messages)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if not messages:
         return None
-    text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages if isinstance(m, dict))
+    text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages)
     # surrogatepass: a str from JSON may hold a lone surrogate, which strict UTF-8 cannot encode.
     return hashlib.blake2b(text[:chars].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-
-
-def slo_class(body: dict[str, Any]) -> str | None:
-    """The request's `slo.class`, if it names one."""
-    slo = body.get("slo")
-    return slo.get("class") if isinstance(slo, dict) else None
 
 
 log = logging.getLogger("ray.serve.lyanna.routing")
@@ -105,9 +114,11 @@ class LoadAwareRouter(RequestRouter):
     ) -> list[RunningReplica]:
         """Move the replica that last served this conversation prefix to the front, unless it is
         too loaded or the request is of a tight SLO class."""
-        body = request_body(pending_request)
-        key = prefix_key(body, self.prefix_chars)
-        if ranked and key is not None and slo_class(body) not in self.tight_classes:
+        request = routed_request(pending_request)
+        if request is None:
+            return ranked
+        key = prefix_key(request.messages, self.prefix_chars)
+        if ranked and key is not None and request.slo_class not in self.tight_classes:
             home = self.affinity.get(key)
             match = [r for r in ranked if r.replica_id == home]
             if match and self.load(match[0]) <= self.load(ranked[0]) + self.imbalance:
@@ -117,9 +128,10 @@ class LoadAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         """Remember where this prefix went."""
+        request = routed_request(pending_request)
         try:
-            key = prefix_key(request_body(pending_request), self.prefix_chars)
-        except Exception:  # an unreadable body has no affinity
+            key = None if request is None else prefix_key(request.messages, self.prefix_chars)
+        except Exception:  # an unreadable request has no affinity
             return
         if key is None:
             return

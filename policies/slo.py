@@ -4,6 +4,10 @@ A request names a class (`"slo": {"class": "interactive"}`) or gives its own TTF
 class sets the targets a request does not give. The targets steer the speculation policy (TPOT),
 the request router (tight classes go to the least-loaded replica) and the autoscaler (the share of
 recent requests that met their targets).
+
+Whether a request met its targets is decided in one place, `SLOTarget.attained`, from the engine's
+timestamps (one monotonic clock): the replica's tracker (autoscaling) and the ingress's metrics both
+call it on the same finished stream item.
 """
 
 from __future__ import annotations
@@ -78,6 +82,28 @@ class SLOTarget:
         ok_ttft = self.ttft_s is None or ttft_s is None or ttft_s <= self.ttft_s
         ok_tpot = self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
         return ok_ttft and ok_tpot
+
+    def attained(
+        self, arrival_s: float, first_token_s: float | None, finish_s: float, num_output_tokens: int
+    ) -> bool | None:
+        """Whether a finished request met the targets, from one clock's timestamps (the engine's);
+        None when there is no target."""
+        if not self.has_target:
+            return None
+        return self.met(*latencies(arrival_s, first_token_s, finish_s, num_output_tokens))
+
+
+def latencies(
+    arrival_s: float, first_token_s: float | None, finish_s: float | None, num_output_tokens: int
+) -> tuple[float | None, float | None]:
+    """A request's (TTFT, TPOT) from one clock's timestamps. TPOT spans the tokens after the first;
+    None where a latency does not exist (no token yet, not finished, fewer than two tokens)."""
+    if first_token_s is None:
+        return None, None
+    ttft = first_token_s - arrival_s
+    if finish_s is None or num_output_tokens < 2:
+        return ttft, None
+    return ttft, (finish_s - first_token_s) / (num_output_tokens - 1)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 from engines.async_engine import AsyncEngine
 from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
+from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
@@ -57,7 +58,8 @@ async def _http_one(client, model: str, messages, max_tokens: int) -> tuple[int,
 async def _offline_one(engine: AsyncEngine, messages, max_tokens: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     first, n = None, 0
-    async for out in engine.generate(messages, SamplingParams(temperature=0, max_tokens=max_tokens)):
+    request = GenerationRequest(messages=messages, params=SamplingParams(temperature=0, max_tokens=max_tokens))
+    async for out in engine.generate(request):
         if out.new_token_ids and first is None:
             first = time.perf_counter()
         n = out.num_output_tokens

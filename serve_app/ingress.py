@@ -37,9 +37,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from engines.errors import EngineDeadError, InvalidRequestError
+from engines.spec_params import SpecParams
 from policies import live_routers
-from policies.slo import SLOSettings, SLOTarget
+from policies.slo import SLOSettings
 from serve_app import tracing
+from serve_app.messages import ChatRequest, StreamDelta, StreamError
 from serve_app.metrics import ServeMetrics
 from serve_app.schemas import (
     AssistantMessage,
@@ -140,25 +142,27 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return error_response(400, first["msg"], param=error_param(first), code="invalid_request")
 
 
-def _replica_header(first: dict[str, Any]) -> dict[str, str]:
+def _replica_header(first: StreamDelta) -> dict[str, str]:
     """`x-lyanna-replica`: which LLM replica served the request (routing is visible to clients)."""
-    return {"x-lyanna-replica": str(first.get("replica", ""))}
+    return {"x-lyanna-replica": first.replica or ""}
 
 
-def _usage(item: dict[str, Any]) -> Usage:
+def _usage(item: StreamDelta) -> Usage:
+    """OpenAI's names for the engine's token counts."""
     return Usage(
-        prompt_tokens=item["prompt_tokens"],
-        completion_tokens=item["completion_tokens"],
-        total_tokens=item["prompt_tokens"] + item["completion_tokens"],
+        prompt_tokens=item.num_prompt_tokens,
+        completion_tokens=item.num_output_tokens,
+        total_tokens=item.num_prompt_tokens + item.num_output_tokens,
     )
 
 
-def _spec_stats(item: dict[str, Any]) -> SpeculationStats:
+def _spec_stats(item: StreamDelta) -> SpeculationStats:
+    """The response's `speculation` extension: its names for the engine's counters."""
     return SpeculationStats(
-        target_forwards=item["target_forwards"],
-        draft_tokens=item["draft_tokens"],
-        accepted_tokens=item["accepted_tokens"],
-        accepted_tokens_per_step=item["tokens_per_step"],
+        target_forwards=item.num_forwards,
+        draft_tokens=item.num_draft_tokens,
+        accepted_tokens=item.num_accepted_tokens,
+        accepted_tokens_per_step=item.tokens_per_step,
     )
 
 
@@ -215,25 +219,23 @@ async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
 
 
 class _Timing:
-    """A request's clock at the ingress: start, first token, and the gaps between token deliveries."""
+    """A request's clock at the ingress (what a client sees): its start, for the end-to-end latency,
+    and the gaps between deliveries of new tokens (inter-token latency)."""
 
     def __init__(self, metrics: ServeMetrics):
         self.metrics = metrics
         self.start = time.perf_counter()
-        self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
 
-    def delivered(self, item: dict[str, Any]) -> None:
+    def delivered(self, item: StreamDelta) -> None:
         """A delta arrived; note the time if it carries new tokens."""
-        if item["completion_tokens"] <= self.tokens:
+        if item.num_output_tokens <= self.tokens:
             return
         now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        elif self.last is not None:
+        if self.last is not None:
             self.metrics.observe_itl(now - self.last)
-        self.last, self.tokens = now, item["completion_tokens"]
+        self.last, self.tokens = now, item.num_output_tokens
 
 
 def chat_openapi(model_name: str) -> dict[str, Any]:
@@ -299,10 +301,16 @@ class Ingress:
         tracing_settings: dict[str, Any] | None = None,
         slo_settings: dict[str, Any] | None = None,
         ingress_settings: dict[str, Any] | None = None,
+        spec_default: SpecParams | None = None,
+        spec_policy: str = "fixed",
     ):
+        """`spec_default` and `spec_policy` are the replicas' engine settings (the app builds both from
+        one `EngineSettings`): a request's speculation overrides are completed and checked against them."""
         self.llm = llm.options(stream=True)
         self.llm_unary = llm
         self.slo = SLOSettings.model_validate(slo_settings or {})
+        self.spec_default = spec_default or SpecParams()
+        self.spec_policy = spec_policy
         self.settings = IngressSettings.model_validate(ingress_settings or {})
         self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "ingress")
         self.model_name = served_model_name
@@ -453,14 +461,13 @@ class Ingress:
             return error_response(
                 404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model", "model_not_found"
             )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            target = req.slo_target(self.slo)
+            chat = req.chat_request(rid, self.slo, self.spec_default, self.spec_policy)
         except InvalidRequestError as e:
             return error_response(400, e.message, e.param, e.code)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         _request_attributes(span, req, rid)
-        body = req.model_dump(mode="json", by_alias=True, exclude_unset=True)
-        stream = self.llm.generate.remote(body, rid, tracing.inject(span))
+        stream = self.llm.generate.remote(chat, tracing.inject(span))
         try:
             first = await anext(stream)
         except BackPressureError:  # every replica busy and its queue full: shed load, ask to retry
@@ -468,83 +475,69 @@ class Ingress:
         except Exception as e:  # the replica died or failed before answering
             log.warning("replica failed before the first delta: %r", e, extra={"chat_id": rid})
             return _failed(e, "before answering")
-        if "error" in first:
+        if isinstance(first, StreamError):  # the engine refused the request
             stream.cancel()
-            err = first["error"]
-            return error_response(first["status"], err["message"], err["param"], err["code"])
+            return error_response(first.status, first.message, first.param, first.code, kind=first.type)
         timing.delivered(first)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._sse(rid, first, stream, include_usage, timing, span, target, req.user)
+            events = self._sse(chat, first, stream, include_usage, timing, span, req.user)
             # Started here, so its clean-up (cancel the replica call, end the span) runs even if the
             # client leaves before starlette iterates it.
             role_chunk = await anext(events)
             body = _started(role_chunk, events)
             return StreamingResponse(body, media_type="text/event-stream", headers=_replica_header(first))
-        text, last = first["text"], first
+        text, last = first.new_text, first
         try:
-            while last["finish_reason"] is None:
+            while not last.finished:
                 last = await anext(stream)
                 timing.delivered(last)
-                text += last["text"]
+                text += last.new_text
         except Exception as e:  # the replica died mid-request
             stream.cancel()
             log.warning("replica failed mid-request: %r", e, extra={"chat_id": rid})
             return _failed(e, "mid-request")
-        self._finished(span, rid, last, timing, target, stream=False, user=req.user)
+        self._finished(span, chat, last, timing, stream=False, user=req.user)
         body = ChatCompletionResponse(
             id=rid,
             model=self.model_name,
-            choices=[Choice(message=AssistantMessage(content=text), finish_reason=last["finish_reason"])],
+            choices=[Choice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
             usage=_usage(last),
             speculation=_spec_stats(last),
         )
         return JSONResponse(body.model_dump(), headers=_replica_header(first))
 
     def _finished(
-        self,
-        span: Span,
-        rid: str,
-        last: dict[str, Any],
-        timing: _Timing,
-        target: SLOTarget,
-        stream: bool,
-        user: str | None,
+        self, span: Span, chat: ChatRequest, last: StreamDelta, timing: _Timing, stream: bool, user: str | None
     ) -> None:
         """Record a completed request: metrics (SLO attainment included), span attributes, one log line."""
-        end = time.perf_counter()
-        met = self.metrics.observe_finished(last, timing.start, timing.first, end, target)
-        stats = _spec_stats(last)
-        fields = {
-            "chat_id": rid,
-            "stream": stream,
-            "user": user,
-            "finish_reason": last["finish_reason"],
-            "prompt_tokens": last["prompt_tokens"],
-            "completion_tokens": last["completion_tokens"],
-            "accepted_tokens_per_step": round(stats.accepted_tokens_per_step, 3),
-            "ttft_ms": round((timing.first - timing.start) * 1e3, 3) if timing.first is not None else None,
-            "e2e_ms": round((end - timing.start) * 1e3, 3),
-            "slo_class": target.slo_class,
+        e2e = time.perf_counter() - timing.start
+        met = self.metrics.observe_finished(last, e2e, chat.slo)
+        counters = last.counters()
+        fields = {"chat_id": chat.request_id, "stream": stream, "user": user} | counters
+        fields |= {
+            "ttft_ms": None if last.ttft_s is None else round(last.ttft_s * 1e3, 3),
+            "e2e_ms": round(e2e * 1e3, 3),
+            "slo_class": chat.slo_class,
             "slo_met": met,
         }
-        span.set_attribute("gen_ai.response.finish_reasons", [last["finish_reason"]])
-        span.set_attribute("gen_ai.usage.input_tokens", last["prompt_tokens"])
-        span.set_attribute("gen_ai.usage.output_tokens", last["completion_tokens"])
-        span.set_attribute("lyanna.accepted_tokens_per_step", stats.accepted_tokens_per_step)
+        span.set_attribute("gen_ai.response.finish_reasons", [counters["finish_reason"]])
+        span.set_attribute("gen_ai.usage.input_tokens", last.num_prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", last.num_output_tokens)
+        span.set_attribute("lyanna.tokens_per_step", last.tokens_per_step)
         log.info("chat completion finished", extra=fields)
 
     async def _sse(
         self,
-        rid: str,
-        first: dict[str, Any],
+        chat: ChatRequest,
+        first: StreamDelta,
         stream,
         include_usage: bool,
         timing: _Timing,
         span: Span,
-        target: SLOTarget,
         user: str | None,
     ) -> AsyncIterator[str]:
+        rid = chat.request_id
         created = int(time.time())
 
         def event(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
@@ -555,10 +548,10 @@ class Ingress:
         try:
             yield event([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
             while True:
-                if item["text"]:
-                    yield event([ChunkChoice(delta=DeltaMessage(content=item["text"]))])
-                if item["finish_reason"] is not None:
-                    yield event([ChunkChoice(delta=DeltaMessage(), finish_reason=item["finish_reason"])])
+                if item.new_text:
+                    yield event([ChunkChoice(delta=DeltaMessage(content=item.new_text))])
+                if item.finished:
+                    yield event([ChunkChoice(delta=DeltaMessage(), finish_reason=item.finish_reason)])
                     if include_usage:
                         yield event([], _usage(item))
                     break
@@ -573,7 +566,7 @@ class Ingress:
                     yield "data: [DONE]\n\n"
                     return
                 timing.delivered(item)
-            self._finished(span, rid, item, timing, target, stream=True, user=user)
+            self._finished(span, chat, item, timing, stream=True, user=user)
             completed = True
             yield "data: [DONE]\n\n"
         finally:

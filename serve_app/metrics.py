@@ -3,7 +3,10 @@
 Request-level metrics are observed at the ingress from each request's stream: counts by status,
 TTFT, TPOT, inter-token latency, queue time, end-to-end latency, prompt/generated tokens,
 preemptions, accepted tokens per step, draft tokens proposed and accepted, streams that ended early,
-and requests by SLO class and whether they met their targets (goodput).
+and requests by SLO class and whether they met their targets (goodput). TTFT, TPOT, queue time and
+SLO attainment come from the engine's timestamps in the last stream item, so they agree with the
+replica's SLO tracker (`StreamDelta.slo_met`); end-to-end and inter-token latency are the ingress's
+own clock (what a client sees, the hop to the replica included).
 Replica gauges (batch size, queue length, KV-cache use, SLO attainment, and the speculation policy's
 latest choices with its predicted vs observed acceptance and step time) are set at scrape time from
 the stats every running replica last reported, one series per replica (`replica` label); a replica
@@ -17,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from policies.slo import SLOTarget
+from serve_app.messages import StreamDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -29,9 +33,23 @@ class ServeMetrics:
         names = list(self.labels)
         r = self.registry = CollectorRegistry()
         self.requests = Counter("lyanna_requests", "Chat requests by HTTP status", [*names, "status"], registry=r)
-        self.ttft = Histogram("lyanna_ttft_seconds", "Time to first token", names, buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("lyanna_tpot_seconds", "Per output token", names, buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("lyanna_e2e_seconds", "End-to-end latency", names, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "lyanna_ttft_seconds",
+            "Time to first token: from the request's arrival at the engine (tokenizing included) to its first token",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "lyanna_tpot_seconds",
+            "Time per output token after the first, in the engine",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "lyanna_e2e_seconds", "End-to-end latency at the ingress", names, buckets=LATENCY_BUCKETS, registry=r
+        )
         self.itl = Histogram(
             "lyanna_itl_seconds",
             "Inter-token latency: time between successive deltas carrying tokens (a verified draft's tokens arrive"
@@ -101,33 +119,27 @@ class ServeMetrics:
         """Count one answered request."""
         self.requests.labels(**self.labels, status=str(status)).inc()
 
-    def observe_finished(
-        self, item: dict[str, Any], start: float, first: float | None, end: float, target: SLOTarget | None = None
-    ) -> bool | None:
-        """Record a finished request from its last stream item and its timestamps (perf_counter);
-        returns whether it met its SLO targets (None without targets)."""
+    def observe_finished(self, item: StreamDelta, e2e_s: float, target: SLOTarget) -> bool | None:
+        """Record a finished request from its last stream item and the end-to-end seconds the ingress
+        measured; returns whether it met its SLO targets (None without targets)."""
         lb = self.labels
-        self.e2e.labels(**lb).observe(end - start)
-        ttft = tpot = None
-        if first is not None:
-            ttft = first - start
-            self.ttft.labels(**lb).observe(ttft)
-            if item["completion_tokens"] > 1:
-                tpot = (end - first) / (item["completion_tokens"] - 1)
-                self.tpot.labels(**lb).observe(tpot)
-        if item.get("queue_s") is not None:
-            self.queue_time.labels(**lb).observe(item["queue_s"])
-        self.preemptions.labels(**lb).inc(item.get("preemptions", 0))
-        met = None
-        if target is not None and target.has_target:
-            met = target.met(ttft, tpot)
+        self.e2e.labels(**lb).observe(e2e_s)
+        if item.ttft_s is not None:
+            self.ttft.labels(**lb).observe(item.ttft_s)
+        if item.tpot_s is not None:
+            self.tpot.labels(**lb).observe(item.tpot_s)
+        if item.queue_s is not None:
+            self.queue_time.labels(**lb).observe(item.queue_s)
+        self.preemptions.labels(**lb).inc(item.num_preemptions)
+        met = item.slo_met(target)
+        if met is not None:
             self.slo_requests.labels(**lb, slo_class=target.slo_class or "custom", met=str(met).lower()).inc()
-        self.prompt_tokens.labels(**lb).inc(item["prompt_tokens"])
-        self.generated_tokens.labels(**lb).inc(item["completion_tokens"])
-        self.draft_tokens.labels(**lb).inc(item["draft_tokens"])
-        self.accepted_tokens.labels(**lb).inc(item["accepted_tokens"])
-        if item["spec_steps"]:
-            self.accepted_per_step.labels(**lb).observe(item["tokens_per_step"])
+        self.prompt_tokens.labels(**lb).inc(item.num_prompt_tokens)
+        self.generated_tokens.labels(**lb).inc(item.num_output_tokens)
+        self.draft_tokens.labels(**lb).inc(item.num_draft_tokens)
+        self.accepted_tokens.labels(**lb).inc(item.num_accepted_tokens)
+        if item.num_spec_steps:
+            self.accepted_per_step.labels(**lb).observe(item.tokens_per_step)
         return met
 
     def observe_itl(self, gap_s: float) -> None:

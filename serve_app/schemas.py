@@ -5,9 +5,10 @@ not a boolean), OpenAI's ranges (temperature in [0, 2], top_p in (0, 1], at most
 seed that fits 64 bits), unknown fields rejected. The fields current OpenAI clients send are either
 honoured or, where this server cannot honour a value (tools, logprobs, penalties, JSON mode), rejected
 with a 400 that names the field; a neutral value (`presence_penalty: 0`, `logprobs: false`,
-`response_format: {"type": "text"}`) is accepted, since it asks for nothing. The engine's own
-`SamplingParams.validate` and `SpecParams.validate` check what depends on the model (vocabulary,
-context length), so the HTTP path and offline use share those rules.
+`response_format: {"type": "text"}`) is accepted, since it asks for nothing. This is the one
+validation of a request's fields: the ingress turns a valid body into a typed `ChatRequest`
+(serve_app/messages.py), which the replica and the engine take as it is; the engine's admission checks
+only what needs the model (the prompt's length in tokens against the context).
 Extensions beyond OpenAI's fields: `top_k`, `min_p`, `speculation` (drafter on/off, tree overrides,
 the speculation policy) and `slo` (a latency class or explicit targets for the policy layer).
 """
@@ -21,9 +22,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engines.errors import InvalidRequestError
+from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from policies.slo import SLOSettings, SLOTarget
+from serve_app.messages import ChatRequest
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -75,9 +78,9 @@ class SpeculationOptions(_Strict):
     every step."""
 
     enabled: bool = True
-    depth: int | None = None
-    width: int | None = None
-    budget: int | None = None
+    depth: int | None = Field(default=None, ge=1, le=64, description="Tree depth (draft tokens per path)")
+    width: int | None = Field(default=None, ge=1, le=64, description="Children per tree node, at most")
+    budget: int | None = Field(default=None, ge=1, le=64, description="Draft tokens verified per step, at most")
     policy: Literal["fixed", "adaptive"] | None = None
 
 
@@ -118,7 +121,11 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = Field(
         default=None, ge=INT64_MIN, le=INT64_MAX, description="Reproducible sampling, with speculation on or off"
     )
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+        | None
+    ) = None
     n: int | None = Field(default=None, ge=1, le=1, description="Only 1 completion per request")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -175,13 +182,11 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
-        """The engine's sampling settings; raises InvalidRequestError for impossible values."""
-        if self.n not in (None, 1):
-            raise InvalidRequestError(f"only n=1 is supported, got n={self.n}", param="n")
+    def sampling_params(self) -> SamplingParams:
+        """The engine's sampling settings (the schema has checked every value)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = SamplingParams(
+        return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -190,13 +195,13 @@ class ChatCompletionRequest(_Strict):
             max_tokens=limit,
             stop=stop,
         )
-        return params.validate(vocab_size)
 
-    def spec_params(self, default: SpecParams, server_policy: str = "fixed") -> SpecParams:
-        """The request's speculation: the server default with the request's overrides."""
+    def spec_params(self, default: SpecParams, server_policy: str = "fixed") -> SpecParams | None:
+        """The request's speculation: the server default (`default`, the engine's) with the request's
+        overrides; None when it has none (the engine applies its default)."""
         opts = self.speculation
         if opts is None:
-            return default
+            return None
         if opts.policy == "adaptive" and server_policy != "adaptive":
             raise InvalidRequestError(
                 f"speculation.policy 'adaptive' needs a server started with spec_policy: adaptive (this one: "
@@ -209,7 +214,7 @@ class ChatCompletionRequest(_Strict):
             budget=opts.budget if opts.budget is not None else default.budget,
             enabled=opts.enabled,
             fixed=opts.policy == "fixed",
-        ).validate()
+        )
 
     def slo_target(self, settings: SLOSettings) -> SLOTarget:
         """The request's latency targets (its own, else its class's); an unknown class is a bad request."""
@@ -226,6 +231,22 @@ class ChatCompletionRequest(_Strict):
             msg = {"role": m.role, "content": m.text()}
             out.append(msg if m.name is None else msg | {"name": m.name})
         return out
+
+    def chat_request(
+        self, request_id: str, slo: SLOSettings, spec_default: SpecParams, spec_policy: str = "fixed"
+    ) -> ChatRequest:
+        """The typed request the replica and the engine take as it is. `spec_default` and `spec_policy`
+        are the engine's speculation settings; raises InvalidRequestError for an unknown SLO class or
+        a speculation policy the server does not run."""
+        target = self.slo_target(slo)
+        generation = GenerationRequest(
+            request_id=request_id,
+            messages=self.conversation(),
+            params=self.sampling_params(),
+            spec=self.spec_params(spec_default, spec_policy),
+            tpot_target_s=target.tpot_s,
+        )
+        return ChatRequest(generation, target)
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (

@@ -1,4 +1,4 @@
-"""The asyncio front: concurrent streams, abort on disconnect, errors before queueing."""
+"""The asyncio front: concurrent streams, abort on disconnect, errors before queueing, typed input."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from engines.async_engine import AsyncEngine
 from engines.engine import EngineConfig, LLMEngine
-from engines.errors import InvalidRequestError
-from engines.request import FinishReason
+from engines.errors import ContextLengthError, InvalidRequestError
+from engines.request import FinishReason, GenerationRequest
 from engines.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 
@@ -34,7 +34,7 @@ def test_concurrent_streams_match_offline(async_engine, engine_fp32):
 
     async def collect(conv):
         text, ids, last = "", [], None
-        async for out in async_engine.generate(conv, params):
+        async for out in async_engine.generate(GenerationRequest(messages=conv, params=params)):
             text += out.new_text
             ids += out.new_token_ids
             last = out
@@ -48,13 +48,16 @@ def test_concurrent_streams_match_offline(async_engine, engine_fp32):
         alone = engine_fp32.generate([conv], params)[0]
         assert ids == alone.token_ids and text == alone.text
         assert last.finished and last.num_output_tokens == len(ids)
+        # one clock: arrival <= first scheduled <= first token <= finish, all the engine's
+        assert last.arrival_time <= last.first_scheduled_time <= last.first_token_time <= last.finish_time
 
 
 def test_consumer_that_stops_early_aborts_and_frees_blocks(async_engine, engine):
     free = engine.kv_cache.allocator.num_free
 
     async def main():
-        stream = async_engine.generate(CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        stream = async_engine.generate(GenerationRequest(messages=CHAT_PROMPTS[3], params=params))
         got = 0
         async for _ in stream:
             got += 1
@@ -70,21 +73,33 @@ def test_consumer_that_stops_early_aborts_and_frees_blocks(async_engine, engine)
     assert asyncio.run(main())
 
 
-def test_bad_request_raises_before_anything_is_queued(async_engine, engine):
-    async def main():
-        async for _ in async_engine.generate([], SamplingParams()):
+def test_what_only_the_engine_checks_raises_before_anything_is_queued(async_engine, engine):
+    """The typed request's fields were validated by its maker; admission still checks the tokenized
+    prompt against the context and token ids against the vocabulary."""
+
+    async def main(request):
+        async for _ in async_engine.generate(request):
             pass
 
-    with pytest.raises(InvalidRequestError):
-        asyncio.run(main())
+    too_long = GenerationRequest(messages=[{"role": "user", "content": "word " * 9000}])
+    with pytest.raises(ContextLengthError) as err:
+        asyncio.run(main(too_long))
+    assert err.value.param == "messages"
+    out_of_vocab = GenerationRequest(prompt_token_ids=[1, engine.tokenizer.vocab_size])
+    with pytest.raises(InvalidRequestError) as err:
+        asyncio.run(main(out_of_vocab))
+    assert err.value.param == "prompt_token_ids"
+    with pytest.raises(TypeError, match="takes a GenerationRequest, got dict"):
+        asyncio.run(main({"messages": CHAT_PROMPTS[0]}))  # a wrong object is a clear error, not a crash inside
     assert not engine.has_unfinished()
 
 
 def test_explicit_abort(async_engine):
     async def main():
         outs = []
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
         async for out in async_engine.generate(
-            CHAT_PROMPTS[3], SamplingParams(max_tokens=500, ignore_eos=True), request_id="to-abort"
+            GenerationRequest(request_id="to-abort", messages=CHAT_PROMPTS[3], params=params)
         ):
             outs.append(out)
             if len(outs) == 2:
@@ -102,7 +117,7 @@ def test_a_slow_consumer_gets_merged_deltas_that_add_up(async_engine, engine_fp3
 
     async def slow():
         items = []
-        async for out in async_engine.generate(conv, params):
+        async for out in async_engine.generate(GenerationRequest(messages=conv, params=params)):
             items.append(out)
             await asyncio.sleep(0.3)  # several engine steps pass while this consumer is busy
         return items

@@ -30,8 +30,9 @@ def base_url():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     router = RequestRouterConfig(request_router_class=LoadAwareRouter, request_routing_stats_period_s=1)
     adaptive = ENGINE | {"spec_policy": "adaptive"}
-    routed = LLMReplica.options(num_replicas=2, request_router_config=router).bind(adaptive, None, SLO)
-    serve.run(Ingress.bind(routed, MODEL, "lyanna", None, SLO), name="routed", route_prefix="/routed")
+    routed = LLMReplica.options(num_replicas=2, request_router_config=router).bind(adaptive)
+    ingress = Ingress.bind(routed, MODEL, "lyanna", None, SLO, None, None, "adaptive")
+    serve.run(ingress, name="routed", route_prefix="/routed")
     autoscaling = {
         "min_replicas": 1,
         "max_replicas": 2,
@@ -41,7 +42,7 @@ def base_url():
         "look_back_period_s": 2,
         "policy": {"policy_function": SLOAutoscalingPolicy, "policy_kwargs": {"min_requests": 2}},
     }
-    scaled = LLMReplica.options(autoscaling_config=autoscaling).bind(ENGINE, None, SLO)
+    scaled = LLMReplica.options(autoscaling_config=autoscaling).bind(ENGINE)
     serve.run(Ingress.bind(scaled, MODEL, "lyanna", None, SLO), name="scaled", route_prefix="/scaled")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -11,9 +11,11 @@ from ray.serve._private.request_router.common import ReplicaQueueLengthCache
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
+from engines.request import GenerationRequest
 from policies.autoscaling import SLOAutoscalingPolicy
 from policies.routing import LoadAwareRouter, prefix_key
-from policies.slo import SLOSettings, SLOTarget, SLOTracker
+from policies.slo import SLOSettings, SLOTarget, SLOTracker, latencies
+from serve_app.messages import ChatRequest
 
 
 def test_slo_targets_come_from_the_request_or_its_class():
@@ -26,6 +28,17 @@ def test_slo_targets_come_from_the_request_or_its_class():
     with pytest.raises(ValueError, match="not among the classes"):
         SLOSettings(default_class="gold")
     assert SLOTarget(None, 1.0, 0.1).met(0.5, 0.1) and not SLOTarget(None, 1.0, 0.1).met(0.5, 0.11)
+
+
+def test_attainment_is_decided_from_one_clocks_timestamps():
+    """TTFT from arrival to the first token; TPOT over the tokens after the first, to the finish."""
+    assert latencies(10.0, 10.5, 11.4, 10) == pytest.approx((0.5, 0.1))
+    assert latencies(10.0, 10.5, 11.4, 1) == (0.5, None) and latencies(10.0, None, 11.0, 0) == (None, None)
+    target = SLOTarget(None, 1.0, 0.1)
+    assert target.attained(10.0, 10.5, 11.3, 10) is True
+    assert target.attained(10.0, 10.5, 11.5, 10) is False  # TPOT 0.111 s
+    assert target.attained(10.0, 11.5, 11.5, 1) is False  # TTFT 1.5 s, no TPOT with one token
+    assert SLOTarget().attained(10.0, 11.5, 11.5, 1) is None  # nothing to meet
 
 
 def test_slo_tracker_counts_a_sliding_window():
@@ -54,10 +67,9 @@ def router() -> LoadAwareRouter:
 
 
 def pending(content: str, slo: str | None = None):
-    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
-    if slo:
-        body["slo"] = {"class": slo}
-    return SimpleNamespace(args=[body, "id", None])
+    """A pending `LLMReplica.generate(request, trace_context)` call, as the ingress makes it."""
+    generation = GenerationRequest(request_id="id", messages=[{"role": "user", "content": content}])
+    return SimpleNamespace(args=[ChatRequest(generation, SLOTarget(slo)), None])
 
 
 def test_router_ranks_by_load_and_keeps_prefix_affinity_within_the_imbalance():
@@ -72,12 +84,14 @@ async def _router_ranking():
     r.on_request_routed(pending("hello"), a.replica_id, None)
     ranks = await r.choose_replicas([a, b, c], pending("hello"))
     assert ranks[0][0] is a  # its prefix's replica, 0.125 above the least loaded
+    untyped = SimpleNamespace(args=[{"messages": [{"role": "user", "content": "hello"}]}])  # not a ChatRequest
+    assert (await r.choose_replicas([a, b, c], untyped))[0][0] is c  # no request to read: ranked by load alone
     ranks = await r.choose_replicas([a, b, c], pending("hello", slo="interactive"))
     assert ranks[0][0] is c  # a tight class always takes the least loaded
     r._replica_queue_len_cache.update(a.replica_id, 20)  # the router's own count is fresher than the stats
     ranks = await r.choose_replicas([a, b, c], pending("hello"))
     assert ranks[0][0] is c and ranks[-1][0] is a  # 0.625 is beyond the imbalance: affinity yields
-    assert prefix_key(pending("hello").args[0], 512) != prefix_key(pending("hullo").args[0], 512)
+    assert prefix_key(pending("hello").args[0].messages, 512) != prefix_key(pending("hullo").args[0].messages, 512)
 
 
 def test_router_never_fails_on_a_body_it_cannot_read():
@@ -88,10 +102,10 @@ async def _unreadable_bodies():
     r = router()
     a, c = replica("a", 8), replica("c", 4)
     surrogate = pending("\ud800 hi")  # valid JSON ("\ud800"), not encodable as UTF-8
-    assert prefix_key(surrogate.args[0], 512) != prefix_key(pending("\ud801 hi").args[0], 512)
+    assert prefix_key(surrogate.args[0].messages, 512) != prefix_key(pending("\ud801 hi").args[0].messages, 512)
     r.on_request_routed(surrogate, a.replica_id, None)
     assert (await r.choose_replicas([a, c], surrogate))[0][0] is a  # affinity still works for it
-    odd = SimpleNamespace(args=[{"messages": [{"role": "user", "content": "x"}], "slo": {"class": ["unhashable"]}}])
+    odd = SimpleNamespace(args=[SimpleNamespace(messages=[{"role": "user", "content": "x"}], slo_class=["unhashable"])])
     ranks = await r.choose_replicas([a, c], odd)  # the affinity step raises inside: ranked by load alone
     assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a"]
     r.on_request_routed(odd, c.replica_id, None)

@@ -286,6 +286,8 @@ def test_structured_logs_carry_request_ids_across_ingress_and_replica(client, se
     assert ingress["deployment"] == "llm_Ingress" and replica["deployment"] == "llm_LLMReplica"
     # Serve's request id, also the response's x-request-id header, ties the two components' lines.
     assert ingress["request_id"] == replica["request_id"] == raw.headers["x-request-id"]
-    assert ingress["completion_tokens"] == replica["completion_tokens"] == res.usage.completion_tokens
-    assert replica["prompt_tokens"] == res.usage.prompt_tokens and replica["aborted"] is False
+    # one name per counter in both components' lines (the engine's), OpenAI's names in the response
+    assert ingress["num_output_tokens"] == replica["num_output_tokens"] == res.usage.completion_tokens
+    assert ingress["num_prompt_tokens"] == replica["num_prompt_tokens"] == res.usage.prompt_tokens
+    assert replica["aborted"] is False and ingress["ttft_ms"] > 0
     assert replica["queue_ms"] >= 0 and replica["prefill_ms"] > 0 and ingress["e2e_ms"] > 0

@@ -82,8 +82,9 @@ def test_non_streaming_request_records_the_span_tree(ingress, exporter):
     assert root["gen_ai.request.max_tokens"] == 12
     assert root["gen_ai.response.finish_reasons"] == (body["choices"][0]["finish_reason"],)
     assert gen["lyanna.chat_id"] == body["id"] and gen["lyanna.aborted"] is False
-    assert gen["lyanna.accepted_tokens"] == body["speculation"]["accepted_tokens"]
-    assert gen["lyanna.target_forwards"] == body["speculation"]["target_forwards"]
+    assert gen["lyanna.num_accepted_tokens"] == body["speculation"]["accepted_tokens"]
+    assert gen["lyanna.num_forwards"] == body["speculation"]["target_forwards"]
+    assert gen["lyanna.num_output_tokens"] == body["usage"]["completion_tokens"]
     assert tree["prefill"].attributes["gen_ai.usage.input_tokens"] == body["usage"]["prompt_tokens"]
     assert tree["decode"].attributes["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"]
 
@@ -109,7 +110,7 @@ def test_a_bad_request_is_an_error_span_without_phases(ingress, exporter):
     response = ingress.chat_completions.remote(chat_request(max_tokens=10**6)).result()  # over the context
     assert response.status_code == 400
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {f"chat {MODEL}", "generate"}  # the replica's sampling check rejected it: no phases
+    assert set(spans) == {f"chat {MODEL}", "generate"}  # the engine's admission rejected it: no phases
     assert all(s.status.status_code == trace.StatusCode.ERROR for s in spans.values())
     assert spans[f"chat {MODEL}"].attributes["http.response.status_code"] == 400
     assert "context length" in spans["generate"].status.description
@@ -143,4 +144,4 @@ def test_a_stream_closed_early_marks_both_spans_aborted(ingress, exporter):
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert spans[f"chat {MODEL}"].attributes["lyanna.stream_aborted"] is True
     assert spans["generate"].attributes["lyanna.aborted"] is True
-    assert spans["generate"].attributes["lyanna.completion_tokens"] < 200
+    assert spans["generate"].attributes["lyanna.num_output_tokens"] < 200

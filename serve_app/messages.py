@@ -1,0 +1,144 @@
+"""The typed messages between the ingress and the LLM replicas (through a DeploymentHandle).
+
+The ingress validates an HTTP request once and sends a `ChatRequest`; the replica hands its
+`GenerationRequest` to the engine as it is. The replica streams back `StreamDelta`s, or a single
+`StreamError` when the engine refuses the request (what only the engine can check, such as the
+prompt's length in tokens). Counters keep the engine's names (`RequestOutput`) in the stream, the logs
+and the span attributes; only the edges whose names are contracts rename them: OpenAI's `usage` and
+`speculation` fields of a response, and the Prometheus series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.errors import InvalidRequestError
+from engines.request import FinishReason, GenerationRequest, RequestOutput
+from policies.slo import SLOTarget, latencies
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat request: what the engine generates, and the SLO target it is measured against."""
+
+    generation: GenerationRequest
+    slo: SLOTarget = field(default_factory=SLOTarget)
+
+    @property
+    def request_id(self) -> str:
+        """The response's id (`chatcmpl-...`), also the engine's request id."""
+        return self.generation.request_id
+
+    @property
+    def messages(self) -> list[dict[str, str]] | None:
+        """The conversation (the request router hashes its prefix)."""
+        return self.generation.messages
+
+    @property
+    def slo_class(self) -> str | None:
+        """The request's SLO class (the request router sends tight classes to the least-loaded replica)."""
+        return self.slo.slo_class
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamDelta:
+    """One engine delta as the replica streams it: the new text, the request's counters so far and
+    its engine timestamps (one monotonic clock, the replica's: only their differences are read)."""
+
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_forwards: int  # target forwards the request took part in
+    num_spec_steps: int  # of which verified a draft
+    num_draft_tokens: int  # draft tokens verified
+    num_accepted_tokens: int  # draft tokens accepted
+    tokens_per_step: float  # tokens per verification step (accepted drafts + bonus)
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None  # set on the last delta
+    replica: str | None = None  # the first delta names the replica serving the request
+
+    @classmethod
+    def of(cls, out: RequestOutput, replica: str | None = None) -> StreamDelta:
+        """The stream item of an engine delta."""
+        return cls(
+            new_text=out.new_text,
+            finish_reason=out.finish_reason,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+            num_forwards=out.num_forwards,
+            num_spec_steps=out.num_spec_steps,
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_tokens=out.num_accepted_tokens,
+            tokens_per_step=out.tokens_per_step,
+            num_preemptions=out.num_preemptions,
+            arrival_time=out.arrival_time,
+            first_scheduled_time=out.first_scheduled_time,
+            first_token_time=out.first_token_time,
+            finish_time=out.finish_time,
+            replica=replica,
+        )
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last delta."""
+        return self.finish_reason is not None
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds from arrival to the request's first step (None before it)."""
+        return None if self.first_scheduled_time is None else max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (None before it)."""
+        return latencies(self.arrival_time, self.first_token_time, self.finish_time, self.num_output_tokens)[0]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None until finished with two tokens or more)."""
+        return latencies(self.arrival_time, self.first_token_time, self.finish_time, self.num_output_tokens)[1]
+
+    def slo_met(self, target: SLOTarget) -> bool | None:
+        """Whether the finished request met `target` (None without targets or before the end): the
+        replica's tracker and the ingress's metrics both decide with this, on the same last delta."""
+        if self.finish_time is None:
+            return None
+        return target.attained(self.arrival_time, self.first_token_time, self.finish_time, self.num_output_tokens)
+
+    def counters(self) -> dict[str, str | int | float | None]:
+        """The outcome and counters under their one name each (log fields, span attributes)."""
+        return {
+            "finish_reason": None if self.finish_reason is None else self.finish_reason.value,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_forwards": self.num_forwards,
+            "num_spec_steps": self.num_spec_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "num_preemptions": self.num_preemptions,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamError:
+    """A request the engine refused, as the stream's first and only item: OpenAI's error fields and
+    the HTTP status to answer with."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, err: InvalidRequestError) -> StreamError:
+        """A bad request (400)."""
+        return cls(status=400, message=err.message, param=err.param, code=err.code)
+
+
+StreamItem = StreamDelta | StreamError
