@@ -1,10 +1,12 @@
-"""A request's state inside the engine, and the deltas the engine emits for it."""
+"""What the engine admits (`GenerationRequest`), a request's state inside it (`Request`), and the
+deltas it emits for it (`RequestOutput`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,23 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One request as the engine admits it: a conversation or prompt token ids, and typed settings.
+
+    Its maker has validated the fields (the serving ingress by its schema, or `LLMEngine.make_request`
+    for hand-built settings); admission (`LLMEngine.admit`) checks only what needs the model: the
+    tokenized prompt against the context length, token ids against the vocabulary.
+    """
+
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    messages: list[dict[str, str]] | None = None  # OpenAI-style chat messages, rendered by the chat template
+    prompt_token_ids: list[int] | None = None  # or the prompt as token ids (no template)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecParams | None = None  # None: the engine's default speculation
+    tpot_target_s: float | None = None  # time-per-output-token target (SLO) the speculation policy honours
 
 
 @dataclass(eq=False)  # identity semantics: queues look requests up with `in` / `remove`
@@ -88,6 +107,16 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
+    def draft_limit(self) -> SpecParams | None:
+        """The largest tree this request may draft now: its speculation settings with the depth cut so
+        the bonus token stays within `max_tokens`; None when it does not speculate or has no room."""
+        if self.spec is None:
+            return None
+        depth = min(self.spec.depth, self.max_tokens - len(self.output_token_ids) - 1)
+        if depth < 1:
+            return None
+        return self.spec if depth == self.spec.depth else dataclasses.replace(self.spec, depth=depth)
+
     @property
     def finished(self) -> bool:
         """Whether the request has ended for any reason."""
@@ -113,6 +142,13 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    # When the engine emitted this delta (monotonic, the clock of `arrival_time` and `first_token_time`).
+    output_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finish_time(self) -> float | None:
+        """When the request finished (the time of its last delta); None while it runs."""
+        return self.output_time if self.finished else None
 
     @property
     def tokens_per_step(self) -> float:

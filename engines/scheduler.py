@@ -7,7 +7,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engines.draft_tree import DraftTree
 from engines.kv_cache import PagedKVCache
 from engines.request import Request, RequestStatus
 
@@ -16,23 +15,14 @@ from engines.request import Request, RequestStatus
 class ScheduledRequest:
     """Run `num_new_tokens` of this request's tokens, starting at its `num_computed_tokens`.
 
-    A decoding request granted a `draft_budget` (tokens, root included; its KV blocks are allocated)
-    verifies a draft tree of at most that many nodes in this step: the engine asks the drafter for it
-    after scheduling and sets `draft` and `num_new_tokens` (the tree's size); without a tree the request
-    decodes its one token.
+    A decoding request (one new token, its last) may also verify up to `num_draft_tokens` draft tokens
+    in this step: the step's token budget and the KV blocks for them are reserved; the executor
+    decides how many it drafts (from none to all of them).
     """
 
     request: Request
     num_new_tokens: int
-    draft_budget: int = 0
-    draft: DraftTree | None = None
-
-    def attach_draft(self, tree: DraftTree | None) -> None:
-        """The drafter's tree for this step (at most `draft_budget` nodes), or None: a plain decode."""
-        if tree is not None and tree.size > self.draft_budget:
-            raise ValueError(f"a draft of {tree.size} nodes exceeds the granted {self.draft_budget}")
-        self.draft = tree if tree is not None and tree.num_draft else None
-        self.num_new_tokens = self.draft.size if self.draft is not None else 1
+    num_draft_tokens: int = 0  # draft tokens granted (the root, its new token, is not counted)
 
 
 @dataclass
@@ -44,16 +34,17 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in this step's forward pass."""
-        return sum(s.num_new_tokens for s in self.scheduled)
+        """Tokens this step may run: new tokens plus the draft tokens granted."""
+        return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
 
 
 class Scheduler:
     """Decides each step which requests run and how many tokens each gets.
 
     Running requests go first, oldest first, so decodes are never starved by new prompts. A decoding
-    request that asks for a draft budget gets as much of it as the token budget and the KV cache allow
-    (blocks allocated before the drafter runs, so no draft is made to be thrown away). A running
+    request that speculates is granted as many draft tokens as its limit (`Request.draft_limit`), the
+    token budget and the KV cache allow (blocks allocated before the drafter runs, so no draft is made
+    to be thrown away). A running
     request that cannot get KV blocks preempts the newest running request (freeing its blocks; it
     recomputes later). Waiting requests are admitted in arrival order while the token budget,
     `max_num_seqs` and free blocks allow. Prompts are read in chunks: while any request is decoding, a
@@ -88,10 +79,8 @@ class Scheduler:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self, draft_budgets: dict[str, int] | None = None) -> SchedulerOutput:
-        """Pick this step's requests and token counts, allocating their KV blocks. `draft_budgets`: the
-        draft tree size (root included) each decoding request would like to verify."""
-        draft_budgets = draft_budgets or {}
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests, their token counts and draft grants, allocating their KV blocks."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
@@ -104,11 +93,11 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            granted = self._grant_draft(req, draft_budgets.get(req.request_id, 0), budget) if todo == 1 else 0
+            granted = self._grant_draft(req, budget) if todo == 1 else 0
             if granted:
-                self.kv.allocate(req.request_id, req.num_computed_tokens + granted)
-                out.scheduled.append(ScheduledRequest(req, granted, draft_budget=granted))
-                budget -= granted
+                self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + granted)
+                out.scheduled.append(ScheduledRequest(req, 1, num_draft_tokens=granted))
+                budget -= 1 + granted
                 i += 1
                 continue
             while not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
@@ -165,13 +154,15 @@ class Scheduler:
             return n
         return n * (1 + req.num_computed_tokens / self.attention_keys_per_token)
 
-    def _grant_draft(self, req: Request, wanted: int, budget: int) -> int:
-        """Draft tokens (root included) a decoding request may verify: what it asked for, cut to the
-        step's token budget and to the KV blocks free; 0 for none (fewer than one draft token)."""
+    def _grant_draft(self, req: Request, budget: int) -> int:
+        """Draft tokens a decoding request may verify besides its root: its limit's budget, cut to the
+        step's token budget and to the KV blocks free; 0 for none."""
+        limit = req.draft_limit()
+        if limit is None:
+            return 0
         have = len(self.kv.block_tables.get(req.request_id, ()))
         room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens
-        size = min(wanted, budget, room)
-        return size if size >= 2 else 0
+        return max(0, min(limit.budget, budget - 1, room - 1))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

@@ -1,7 +1,7 @@
 """The step as data: what one target forward computes, in plain flat arrays.
 
-The scheduler decides who runs and how many tokens each gets (`SchedulerOutput`); once the drafter
-has filled the granted draft budgets, `StepPlan.from_scheduled` flattens the step: every sequence's
+The scheduler decides who runs and how many tokens each gets (`SchedulerOutput`); once the executor
+has drafted within the granted budgets, `StepPlan.from_scheduled` flattens the step: every sequence's
 new tokens (a prefill chunk, a decode token, or a draft tree's nodes) one after another, with their
 positions, each token's parent among its sequence's new tokens, the rows that need logits, and each
 sequence's block table. The model runner turns it into device tensors once per step.
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engines.draft_tree import DraftTree
     from engines.kv_cache import PagedKVCache
     from engines.scheduler import ScheduledRequest
 
@@ -73,16 +74,18 @@ class StepPlan:
         self.block_tables.append(block_table)
 
     @classmethod
-    def from_scheduled(cls, scheduled: list[ScheduledRequest], kv: PagedKVCache) -> StepPlan:
-        """The step of the scheduler's decisions: draft trees with logits at every node, prefill chunks
-        with logits at their end only when they finish the prompt, decode tokens with logits."""
+    def from_scheduled(
+        cls, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], kv: PagedKVCache
+    ) -> StepPlan:
+        """The step of the scheduler's decisions and the drafts made for them (one per scheduled
+        request, None for none): draft trees with logits at every node, prefill chunks with logits at
+        their end only when they finish the prompt, decode tokens with logits."""
         plan = cls()
-        for s in scheduled:
+        for s, tree in zip(scheduled, drafts, strict=True):
             req = s.request
             start = req.num_computed_tokens
             table = kv.block_tables[req.request_id]
-            if s.draft is not None:
-                tree = s.draft
+            if tree is not None:
                 plan.add(req.request_id, table, start, tree.tokens, tree.parents, tree.depths, list(range(tree.size)))
                 continue
             end = start + s.num_new_tokens

@@ -1,1 +1,5 @@
-"""Policies: adaptive speculation, SLO-aware routing and autoscaling."""
+"""Cluster-level policies: request routing across replicas, autoscaling, SLO classes.
+
+The in-step speculation policy (tree shapes and verification budgets) is part of the step executor:
+engines/spec_decode/policy.py.
+"""

@@ -38,6 +38,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 "num_gpus": 1 if parsed.engine.device.startswith("cuda") else 0,
             },
         )
-    replica = replica.bind(parsed.engine.model_dump(), tracing, slo)
+    replica = replica.bind(parsed.engine.model_dump(), tracing)
     ingress = parsed.ingress.model_dump()
-    return Ingress.bind(replica, parsed.engine.served_model_name, parsed.engine.drafter, tracing, slo, ingress)
+    engine = parsed.engine
+    spec, policy = engine.spec, engine.spec_policy  # the ingress completes speculation overrides
+    return Ingress.bind(replica, engine.served_model_name, engine.drafter, tracing, slo, ingress, spec, policy)

@@ -1,10 +1,10 @@
 """The LLM replica deployment: one engine (target + drafter) with its continuous-batching loop.
 
 The loop runs in a background thread (`AsyncEngine`); `generate` is a streaming method the ingress
-calls through a DeploymentHandle. Its first item is either an error (a dict with `error` and
-`status`, for bad requests) or the request's first delta, so the ingress can answer with the right
-status before it starts a stream. Cancelling the call (a client that went away) aborts the request
-in the engine and frees its KV blocks.
+calls through a DeploymentHandle with a `ChatRequest` it has validated (serve_app/messages.py). Its
+first item is either a `StreamError` (a request the engine refused) or the request's first
+`StreamDelta`, so the ingress can answer with the right status before it starts a stream. Cancelling
+the call (a client that went away) aborts the request in the engine and frees its KV blocks.
 
 The replica reports its load to the request router (`record_routing_stats`) and its SLO attainment
 to the autoscaler (`record_autoscaling_stats`); see policies/routing.py and policies/autoscaling.py.
@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import Field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
@@ -28,10 +28,9 @@ from engines.async_engine import AsyncEngine
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
 from engines.request import RequestOutput
-from engines.spec_params import SpecParams
-from policies.slo import SLOSettings, SLOTarget, SLOTracker
+from policies.slo import SLOTracker
 from serve_app import tracing
-from serve_app.schemas import ChatCompletionRequest, error_param
+from serve_app.messages import ChatRequest, StreamDelta, StreamError, StreamItem
 from serve_app.tracing import TracingSettings
 
 # A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
@@ -39,37 +38,13 @@ from serve_app.tracing import TracingSettings
 log = logging.getLogger("ray.serve.lyanna.replica")
 
 
-class EngineSettings(BaseModel):
-    """Engine settings as application arguments (serve_config.yaml)."""
+class EngineSettings(EngineConfig):
+    """The replica's `engine:` block in serve_config.yaml: the engine's settings plus the replica's own."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
-    served_model_name: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    tensor_parallel_size: int = 1  # ranks per replica: the replica reserves one bundle per rank (build_app)
-    cpus_per_rank: float = 1.0  # CPUs each rank's bundle reserves (its threads); a GPU too on cuda
-    drafter: str = "lyanna"
-    draft_model: str | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_gib: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_tokens: int | None = None  # prompt tokens per step while others decode (None: 256 CPU, 2048 GPU)
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype, fp32 on CPUs without bf16 arithmetic
-    max_model_len: int | None = None
-    spec_depth: int = SpecParams.depth
-    spec_width: int = SpecParams.width
-    spec_budget: int = SpecParams.budget
-    spec_policy: Literal["fixed", "adaptive"] = "fixed"  # adaptive: the spec_* values are caps
-    # Hot paths: Triton kernels on CUDA and PyTorch on CPU ("auto"), or forced ("triton", "torch")
-    kernels: Literal["auto", "triton", "torch"] = "auto"
-    # Target weights: auto = the GGUF's own int4 blocks for the embedded model in bf16 on CPU, else none
-    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
-    enforce_eager: bool = False  # the target's eager layers at every step (no fused CPU decoder)
-    # The drafter's layer (Lyanna, EAGLE): auto = int8 in one call where the target runs its fused decoder; none = eager
-    draft_quantization: Literal["auto", "none"] = "auto"
+    served_model_name: str = Field("smollm2-135m-instruct", description="The model name clients send and see")
+    cpus_per_rank: float = Field(
+        1.0, gt=0, description="CPUs each tensor-parallel rank's bundle reserves (its threads); a GPU too on cuda"
+    )
 
     def placement_bundles(self) -> list[dict[str, float]]:
         """One resource bundle per tensor-parallel rank: the replica runs in the first, its ranks 1..N-1
@@ -78,31 +53,8 @@ class EngineSettings(BaseModel):
         return [dict(bundle) for _ in range(self.tensor_parallel_size)]
 
     def engine_config(self) -> EngineConfig:
-        """The engine's own config."""
-        spec = SpecParams(depth=self.spec_depth, width=self.spec_width, budget=self.spec_budget)
-        fields = self.model_dump(
-            exclude={"served_model_name", "spec_depth", "spec_width", "spec_budget", "cpus_per_rank"}
-        )
-        return EngineConfig(**fields, spec=spec)
-
-
-def stream_item(out: RequestOutput) -> dict[str, Any]:
-    """One engine delta as the stream item the ingress reads."""
-    return {
-        "text": out.new_text,
-        "finish_reason": out.finish_reason.value if out.finish_reason else None,
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": out.num_output_tokens,
-        "target_forwards": out.num_forwards,
-        "draft_tokens": out.num_draft_tokens,
-        "accepted_tokens": out.num_accepted_tokens,
-        "spec_steps": out.num_spec_steps,
-        "tokens_per_step": out.tokens_per_step,
-        "preemptions": out.num_preemptions,
-        "queue_s": (
-            None if out.first_scheduled_time is None else max(0.0, out.first_scheduled_time - out.arrival_time)
-        ),
-    }
+        """The engine's own config: these settings less the replica's own."""
+        return EngineConfig(**self.model_dump(exclude={"served_model_name", "cpus_per_rank"}))
 
 
 def _replica_id() -> str:
@@ -114,16 +66,6 @@ def _replica_id() -> str:
 
 def _ms(begin: float | None, end: float | None) -> float | None:
     return None if begin is None or end is None else round((end - begin) * 1e3, 3)
-
-
-def error_item(err: InvalidRequestError) -> dict[str, Any]:
-    """A bad request as the stream's first item (OpenAI's error object plus the HTTP status)."""
-    status = 400
-    kind = "invalid_request_error"
-    return {
-        "status": status,
-        "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code},
-    }
 
 
 # Serve's default of 5 ongoing requests would starve continuous batching: the engine batches what it
@@ -142,14 +84,8 @@ def error_item(err: InvalidRequestError) -> dict[str, Any]:
 class LLMReplica:
     """Hosts one engine; streams deltas for chat requests."""
 
-    def __init__(
-        self,
-        settings: dict[str, Any] | None = None,
-        tracing_settings: dict[str, Any] | None = None,
-        slo_settings: dict[str, Any] | None = None,
-    ):
+    def __init__(self, settings: dict[str, Any] | None = None, tracing_settings: dict[str, Any] | None = None):
         self.settings = EngineSettings.model_validate(settings or {})
-        self.slo = SLOSettings.model_validate(slo_settings or {})
         self.slo_tracker = SLOTracker()
         self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "replica")
         self.engine = LLMEngine(self.settings.engine_config())
@@ -157,102 +93,78 @@ class LLMReplica:
         self.replica_id = _replica_id()
 
     async def generate(
-        self, body: dict[str, Any], request_id: str, trace_context: dict[str, str] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Deltas of one chat completion: {text, token_ids, finish_reason, usage, speculation}; the
-        first also names the replica.
+        self, request: ChatRequest, trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[StreamItem]:
+        """The deltas of one chat completion (the first names the replica), or one `StreamError` when
+        the engine refuses the request. `request` was validated by the ingress and goes to the engine
+        as it is; any other object is a caller's bug: TypeError, before anything is queued.
 
         `trace_context` is the ingress span's W3C carrier; this request's spans become its children.
         """
+        if not isinstance(request, ChatRequest):
+            raise TypeError(
+                f"LLMReplica.generate takes a serve_app.messages.ChatRequest (ChatCompletionRequest.chat_request "
+                f"builds one), got {type(request).__name__}"
+            )
         start = time.monotonic()
         span = self.tracer.start_span("generate", context=tracing.extract(trace_context))
         last: RequestOutput | None = None
         error: str | None = None
-        target = SLOTarget()
         try:
             try:
-                req = ChatCompletionRequest.model_validate(body)
-                params = req.sampling_params(self.engine.model_config.vocab_size)
-                spec = req.spec_params(self.engine.config.spec, self.settings.spec_policy)
-                target = req.slo_target(self.slo)
-                stream = self.async_engine.generate(
-                    req.conversation(), params, request_id, spec=spec, tpot_target_s=target.tpot_s
-                )
+                stream = self.async_engine.generate(request.generation)
                 last = await anext(stream)
-            except ValidationError as e:  # a caller other than our ingress (which validated already)
-                first = e.errors(include_url=False)[0]
-                param = error_param(first)
-                err = InvalidRequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
-                error = err.message
-                yield error_item(err)
-                return
-            except InvalidRequestError as e:
+            except InvalidRequestError as e:  # what only the engine checks: the prompt's length in tokens
                 error = e.message
-                yield error_item(e)
+                yield StreamError.of(e)
                 return
-            yield stream_item(last) | {"replica": self.replica_id}  # the first item names the replica
+            yield StreamDelta.of(last, replica=self.replica_id)
             while not last.finished:
                 last = await anext(stream)
-                yield stream_item(last)
+                yield StreamDelta.of(last)
         finally:
-            self._record(span, request_id, start, last, error, target)
+            self._record(span, request, start, last, error)
 
     def _record(
-        self,
-        span: Span,
-        request_id: str,
-        start: float,
-        last: RequestOutput | None,
-        error: str | None,
-        target: SLOTarget,
+        self, span: Span, request: ChatRequest, start: float, last: RequestOutput | None, error: str | None
     ) -> None:
         """End the request's span with its queue/prefill/decode children; log one line for it; count
         a finished request with targets toward SLO attainment."""
-        end = time.monotonic()
         if error is not None:
             span.set_status(StatusCode.ERROR, error)
             span.end()
-            log.info("request rejected: %s", error, extra={"chat_id": request_id})
+            log.info("request rejected: %s", error, extra={"chat_id": request.request_id})
             return
+        item = None if last is None else StreamDelta.of(last)
+        end = time.monotonic() if item is None or item.finish_time is None else item.finish_time
         ctx = trace.set_span_in_context(span)
         epoch_ns = tracing.epoch_clock()
-        arrival = last.arrival_time if last else start
-        scheduled = last.first_scheduled_time if last else None
-        first_token = last.first_token_time if last else None
+        arrival = item.arrival_time if item else start
+        scheduled = item.first_scheduled_time if item else None
+        first_token = item.first_token_time if item else None
         phases = (("queue", arrival, scheduled), ("prefill", scheduled, first_token), ("decode", first_token, end))
         for name, begin, stop in phases:
             if begin is None:
                 break
             child = self.tracer.start_span(name, context=ctx, start_time=epoch_ns(begin))
-            if name == "prefill" and last is not None:
-                child.set_attribute("gen_ai.usage.input_tokens", last.num_prompt_tokens)
-            if name == "decode" and last is not None:
-                child.set_attribute("gen_ai.usage.output_tokens", last.num_output_tokens)
+            if name == "prefill" and item is not None:
+                child.set_attribute("gen_ai.usage.input_tokens", item.num_prompt_tokens)
+            if name == "decode" and item is not None:
+                child.set_attribute("gen_ai.usage.output_tokens", item.num_output_tokens)
             child.end(end_time=epoch_ns(stop if stop is not None else end))
             if stop is None:
                 break
-        fields: dict[str, Any] = {"chat_id": request_id, "aborted": last is None or not last.finished}
-        if last is not None:
-            fields |= {
-                "finish_reason": last.finish_reason.value if last.finish_reason else None,
-                "prompt_tokens": last.num_prompt_tokens,
-                "completion_tokens": last.num_output_tokens,
-                "target_forwards": last.num_forwards,
-                "draft_tokens": last.num_draft_tokens,
-                "accepted_tokens": last.num_accepted_tokens,
-                "accepted_tokens_per_step": last.tokens_per_step,
-                "preemptions": last.num_preemptions,
+        fields: dict[str, Any] = {"chat_id": request.request_id, "aborted": item is None or not item.finished}
+        if item is not None:
+            fields |= item.counters() | {
                 "queue_ms": _ms(arrival, scheduled),
                 "prefill_ms": _ms(scheduled, first_token),
                 "decode_ms": _ms(first_token, end),
             }
-            if last.finished and target.has_target:
-                ttft = None if first_token is None else first_token - arrival
-                tokens = last.num_output_tokens
-                tpot = (end - first_token) / (tokens - 1) if first_token is not None and tokens > 1 else None
-                met = target.met(ttft, tpot)
+            met = item.slo_met(request.slo)
+            if met is not None:
                 self.slo_tracker.record(end, met)
-                fields |= {"slo_class": target.slo_class, "slo_met": met}
+                fields |= {"slo_class": request.slo_class, "slo_met": met}
         for key, value in fields.items():
             if value is not None:
                 span.set_attribute(f"lyanna.{key}", value)
@@ -274,10 +186,10 @@ class LLMReplica:
             "busy_seconds": s.busy_seconds,
             "slo_attainment": self.slo_tracker.attainment(now),
             "slo_requests": self.slo_tracker.count(now),
-            "spec_policy": self.engine.policy.name,
+            "spec_policy": s.spec_policy,
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "tensor_parallel_group": None if self.engine.workers is None else self.engine.workers.group_id,
-            "policy": self.engine.policy.stats(),
+            "policy": s.policy,
         }
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -35,7 +35,8 @@ class Drafter(ABC):
         self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor
     ) -> None:
         """The accepted path of `tree`, its bonus token, and the target's hidden states on the path
-        ([len(path), hidden]). Called after the tokens were appended to the request."""
+        ([len(path), hidden]). Called in the step, before the engine applies it: the request's
+        `num_computed_tokens` is still the root's position and the path's tokens are not appended."""
 
     def on_prefill(  # noqa: B027 - optional hook for drafters that read the target's hidden states
         self, request: Request, start: int, hidden: torch.Tensor

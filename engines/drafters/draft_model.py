@@ -128,7 +128,7 @@ class DraftModelDrafter(Drafter):
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
         # Draft nodes' K/V are discarded; the accepted tokens are fed as context next step.
         rid = request.request_id
-        self.computed[rid] = min(self.computed.get(rid, 0), request.num_tokens - len(result.path))
+        self.computed[rid] = min(self.computed.get(rid, 0), request.num_tokens)
         self.kv.truncate(rid, self.computed[rid])
 
     def on_finished(self, request: Request) -> None:

@@ -102,7 +102,7 @@ class LyannaDrafter(Drafter):
         self._record(request, start, hidden)
 
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
-        self._record(request, request.num_computed_tokens - len(result.path), hidden)
+        self._record(request, request.num_computed_tokens, hidden)
         st = self.states[request.request_id]
         st.pending = None
         last = result.path[-1]
@@ -112,7 +112,8 @@ class LyannaDrafter(Drafter):
             remaining = st.logits[result.num_accepted + 1 :]
             if remaining.shape[0] > max(self.resample_threshold, 0):  # else `resample_tree` gives just a root
                 width = max(1, max(len(c) for c in tree.child_lists()))
-                st.pending = _Resample(remaining, result.bonus, width, request.num_tokens)
+                # the request's length once the path's tokens and the bonus are appended
+                st.pending = _Resample(remaining, result.bonus, width, request.num_tokens + len(result.path))
 
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)

@@ -22,7 +22,15 @@ def tiny_draft(tmp_path_factory):
 
 def spec_engine(draft: str, spec: SpecParams) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(dtype="float32", num_kv_blocks=256, drafter="draft-model", draft_model=draft, spec=spec)
+        EngineConfig(
+            dtype="float32",
+            num_kv_blocks=256,
+            drafter="draft-model",
+            draft_model=draft,
+            spec_depth=spec.depth,
+            spec_width=spec.width,
+            spec_budget=spec.budget,
+        )
     )
 
 
@@ -35,7 +43,7 @@ def test_target_as_its_own_draft_model_accepts_nearly_everything(engine_fp32, ch
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     stats = engine.stats().spec
     assert stats.mean_accepted_tokens > 3.5  # depth 3 + bonus = 4 when every draft is right
-    assert engine.stats().kv_free_blocks == 256 and engine.drafter.kv.allocator.num_free == 256
+    assert engine.stats().kv_free_blocks == 256 and engine.executor.drafter.kv.allocator.num_free == 256
 
 
 @pytest.mark.slow

@@ -39,11 +39,11 @@ def test_width_one_tree_is_the_greedy_draft_chain(eagle_checkpoint):
     req = engine.add_request(CHAT_PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     engine.step()
     engine.step()
-    tree = engine.drafter.grow(req, 4, 1)
+    tree = engine.executor.drafter.grow(req, 4, 1)
     assert tree.parents == [-1, 0, 1, 2, 3]
     tokens = req.token_ids(0, req.num_tokens)
     hidden = target_hidden_states(engine.model, tokens[:-1])
-    model = engine.drafter.model
+    model = engine.executor.drafter.model
     drafted: list[int] = []
     for d in range(1, 5):  # each step's argmax feeds the next step, as EAGLE drafts
         chain = model.draft_chain(hidden, torch.tensor(tokens + drafted), d)
@@ -56,16 +56,16 @@ def test_trees_grow_k_squared_candidates_per_depth_and_prune_to_budget(eagle_che
     engine = eagle_engine(eagle_checkpoint)
     req = engine.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     engine.step()
-    calls = engine.drafter.lm_head_calls
-    full = engine.drafter.grow(req, 3, 3)
-    assert engine.drafter.lm_head_calls - calls == 3  # one LM-head GEMM per depth
+    calls = engine.executor.drafter.lm_head_calls
+    full = engine.executor.drafter.grow(req, 3, 3)
+    assert engine.executor.drafter.lm_head_calls - calls == 3  # one LM-head GEMM per depth
     assert full.size == 1 + 3 + 9 + 9
     expanded = {p for p in full.parents if p >= 0}
     for d in (1, 2):  # the expanded nodes at each depth are that depth's top-k by joint probability
         at_d = [i for i in range(full.size) if full.depths[i] == d]
         best = sorted(at_d, key=lambda i: -full.scores[i])[:3]
         assert expanded & set(at_d) == set(best)
-    pruned = engine.drafter.propose([req], [SpecParams(depth=3, width=3, budget=8)])[0]
+    pruned = engine.executor.drafter.propose([req], [SpecParams(depth=3, width=3, budget=8)])[0]
     assert pruned.size == 9
 
 
@@ -77,7 +77,7 @@ def test_batched_growth_equals_each_request_alone(eagle_checkpoint):
     engine.step()
     assert len({r.num_tokens for r in reqs}) == len(reqs)
     reqs.append(engine.add_request(CHAT_PROMPTS[0], params))  # not prefilled: no context, no tree
-    drafter = engine.drafter
+    drafter = engine.executor.drafter
     for depths, widths in [([3] * 5, [3] * 5), ([3, 2, 4, 1, 3], [2, 3, 2, 1, 2]), ([4, 0, 2, 2, 1], [1, 4, 4, 2, 3])]:
         calls = drafter.lm_head_calls
         got = drafter.grow_batch(reqs, depths, widths)

@@ -33,19 +33,19 @@ def served_engine(**overrides) -> LLMEngine:
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     engine = served_engine()
-    assert engine.quantization == "gguf" and engine.drafter.fused_layer is not None
+    assert engine.quantization == "gguf" and engine.executor.drafter.fused_layer is not None
     return engine
 
 
 def run_plain(engine: LLMEngine, prompts, steps: int) -> list[Request]:
     """Add `prompts` and take `steps` steps without drafting, so the drafter has context left to read."""
-    plan = engine.policy.plan
-    engine.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)
+    plan = engine.executor.policy.plan
+    engine.executor.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     for _ in range(steps):
         engine.step()
-    engine.policy.plan = plan
+    engine.executor.policy.plan = plan
     return reqs
 
 
@@ -72,7 +72,7 @@ def eager_fp32_reference(drafter):
 
 def test_the_fused_layer_computes_the_drafters_layer(engine):
     reqs = run_plain(engine, [CHAT_PROMPTS[3], LONG_PROMPT], steps=3)  # the long prompt is read in pieces
-    drafter = engine.drafter
+    drafter = engine.executor.drafter
     trajs = drafter.trajectories(reqs, 4)
     ref = eager_fp32_reference(drafter)
     for req, traj in zip(reqs, trajs, strict=True):
@@ -91,7 +91,7 @@ def test_the_fused_layer_computes_the_drafters_layer(engine):
 def test_a_fused_row_does_not_depend_on_its_batch(engine):
     """Reading contexts together or one by one, and drafting together or alone, give the same bits."""
     reqs = run_plain(engine, [CHAT_PROMPTS[0], LONG_PROMPT, CHAT_PROMPTS[2]], steps=4)
-    drafter, fused = engine.drafter, engine.drafter.fused_layer
+    drafter, fused = engine.executor.drafter, engine.executor.drafter.fused_layer
     before = copy.deepcopy(drafter.states)
     assert drafter.catch_up(reqs) == [r.num_tokens - 1 for r in reqs]
     together = {r.request_id: drafter.states[r.request_id].last_out.clone() for r in reqs}
@@ -126,10 +126,10 @@ def test_lyanna_with_the_fused_layer_is_lossless_through_preemption():
 
 def test_draft_quantization_none_keeps_the_eager_layer():
     engine = served_engine(draft_quantization="none")
-    assert engine.drafter.fused_layer is None and engine.drafter.model.lm_head_quant is None
+    assert engine.executor.drafter.fused_layer is None and engine.executor.drafter.model.lm_head_quant is None
     reqs = run_plain(engine, [CHAT_PROMPTS[1]], steps=2)
-    assert engine.drafter.trajectories(reqs, 3)[0].shape[0] == 3
-    assert engine.drafter.states[reqs[0].request_id].keys is not None
+    assert engine.executor.drafter.trajectories(reqs, 3)[0].shape[0] == 3
+    assert engine.executor.drafter.states[reqs[0].request_id].keys is not None
     with pytest.raises(ValueError, match="draft_quantization"):
         EngineConfig(draft_quantization="int4")
 
@@ -137,7 +137,7 @@ def test_draft_quantization_none_keeps_the_eager_layer():
 @pytest.fixture(scope="module")
 def eagle_engine() -> LLMEngine:
     engine = served_engine(drafter="eagle")
-    assert engine.drafter.fused_layer is not None and engine.drafter.model.lm_head_quant is not None
+    assert engine.executor.drafter.fused_layer is not None and engine.executor.drafter.model.lm_head_quant is not None
     return engine
 
 
@@ -161,7 +161,7 @@ def test_eagle_frontier_nodes_attend_to_their_own_ancestors(monkeypatch):
     for 2 sequences."""
     eagle_engine = served_engine(drafter="eagle", max_num_seqs=2)
     reqs = run_plain(eagle_engine, [CHAT_PROMPTS[3], LONG_PROMPT], steps=3)
-    drafter = eagle_engine.drafter
+    drafter = eagle_engine.executor.drafter
     assert drafter.fused_layer.max_seqs == 2
     outputs: list[torch.Tensor] = []
     forward = eagle._PagedFrontier.forward
@@ -191,7 +191,7 @@ def test_eagle_frontier_nodes_attend_to_their_own_ancestors(monkeypatch):
 
 def test_eagle_trees_do_not_depend_on_their_batch(eagle_engine):
     reqs = run_plain(eagle_engine, [CHAT_PROMPTS[0], LONG_PROMPT, CHAT_PROMPTS[2]], steps=4)
-    drafter = eagle_engine.drafter
+    drafter = eagle_engine.executor.drafter
     together = drafter.grow_batch(reqs, [3, 4, 2], [2, 2, 3])
     for req, depth, k, tree in zip(reqs, [3, 4, 2], [2, 2, 3], together, strict=True):
         alone = drafter.grow_batch([req], [depth], [k])[0]

@@ -45,10 +45,10 @@ def test_incremental_trajectory_equals_full_recomputation(lyanna_checkpoint):
         engine.step()
         if req.finished:
             break
-        traj = engine.drafter.trajectory(req, 3)
+        traj = engine.executor.drafter.trajectory(req, 3)
         tokens = req.token_ids(0, req.num_tokens)
         hidden = target_hidden_states(engine.model, tokens[:-1])  # H_0..H_{T-2}, one fresh forward
-        want = engine.drafter.model.draft_chain(hidden, torch.tensor(tokens), 3)
+        want = engine.executor.drafter.model.draft_chain(hidden, torch.tensor(tokens), 3)
         torch.testing.assert_close(traj, want, rtol=1e-4, atol=1e-4)
 
 
@@ -58,19 +58,19 @@ def test_batched_trajectories_equal_each_request_alone(lyanna_checkpoint):
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
     engine.step()
     engine.step()
-    batched = engine.drafter.trajectories(reqs, 4)
+    batched = engine.executor.drafter.trajectories(reqs, 4)
     for req, got in zip(reqs, batched, strict=True):
-        torch.testing.assert_close(got, engine.drafter.trajectories([req], 4)[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, engine.executor.drafter.trajectories([req], 4)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_batched_catch_up_equals_each_request_alone(lyanna_checkpoint):
     engine = lyanna_engine(lyanna_checkpoint)
-    engine.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)  # plain decoding only
+    engine.executor.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)  # plain decoding only
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
     for _ in range(5):
         engine.step()
-    drafter = engine.drafter
+    drafter = engine.executor.drafter
     before = copy.deepcopy(drafter.states)
     read = drafter.catch_up(reqs)
     assert read == [r.num_tokens - 1 for r in reqs]  # through position T-2, prompt included
@@ -89,7 +89,7 @@ def test_batched_proposal_equals_the_per_request_reference(lyanna_checkpoint, fu
     engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8), lyanna_fusion=fusion)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS]  # contexts of different lengths
-    drafter, m, info = engine.drafter, engine.drafter.model, engine.drafter.token_info
+    drafter, m, info = engine.executor.drafter, engine.executor.drafter.model, engine.executor.drafter.token_info
     for _ in range(4):  # without fusion, a step that verifies a re-sampled tree records none
         engine.step()
         pending = [drafter.states[r.request_id].pending for r in reqs]
@@ -129,14 +129,14 @@ def test_a_stale_resampled_tree_is_dropped(lyanna_checkpoint):
     st = None
     for _ in range(4):
         engine.step()
-        st = engine.drafter.states[req.request_id]
+        st = engine.executor.drafter.states[req.request_id]
         if st.pending is not None:
             break
     assert st.pending is not None
     st.pending = dataclasses.replace(st.pending, num_tokens=req.num_tokens - 1)  # as if recorded a token ago
-    fused = engine.drafter.num_fused
-    tree = engine.drafter.propose([req], [spec])[0]
-    assert st.pending is None and engine.drafter.num_fused == fused
+    fused = engine.executor.drafter.num_fused
+    tree = engine.executor.drafter.propose([req], [spec])[0]
+    assert st.pending is None and engine.executor.drafter.num_fused == fused
     assert tree.tokens[0] == req.token_ids(req.num_tokens - 1, req.num_tokens)[0]
 
 
@@ -170,15 +170,15 @@ def test_seeded_sampling_with_lyanna_reproduces(lyanna_checkpoint):
 @pytest.mark.slow
 def test_resampled_trees_are_fused_and_output_is_unchanged(lyanna_checkpoint, engine_fp32):
     engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8))
-    assert engine.drafter.resample
+    assert engine.executor.drafter.resample
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = engine.generate(CHAT_PROMPTS, params)
     want = engine_fp32.generate(CHAT_PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine.drafter.num_fused > 0  # random weights reject often, so re-sampled trees were fused
+    assert engine.executor.drafter.num_fused > 0  # random weights reject often, so re-sampled trees were fused
     off = lyanna_engine(lyanna_checkpoint, lyanna_resampling=False)
     off.generate(CHAT_PROMPTS[:1], params)
-    assert off.drafter.num_fused == 0
+    assert off.executor.drafter.num_fused == 0
 
 
 @pytest.mark.slow
@@ -195,7 +195,8 @@ def test_hot_vocabulary_drafter_keeps_greedy_output(engine_fp32, tmp_path):
     )
     save_draft_model(model, tmp_path)
     engine = lyanna_engine(str(tmp_path))
-    assert torch.equal(engine.drafter.model.d2t, hot) and engine.drafter.model.lm_head.shape[0] == hot.numel()
+    model = engine.executor.drafter.model
+    assert torch.equal(model.d2t, hot) and model.lm_head.shape[0] == hot.numel()
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = engine.generate(CHAT_PROMPTS[:2], params)
     want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
@@ -209,4 +210,4 @@ def test_resampled_trees_verified_alone_without_fusion(lyanna_checkpoint, engine
     got = engine.generate(CHAT_PROMPTS[:2], params)
     want = engine_fp32.generate(CHAT_PROMPTS[:2], params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert engine.drafter.num_fused == 0 and engine.drafter.num_resampled_alone > 0
+    assert engine.executor.drafter.num_fused == 0 and engine.executor.drafter.num_resampled_alone > 0

@@ -233,7 +233,7 @@ def test_speculation_is_lossless_against_the_quantized_target(setting):
     outputs with Lyanna then equal plain decoding of that same target, in one batch."""
     engine = LLMEngine(
         EngineConfig(
-            dtype="float32", quantization=setting, num_kv_blocks=256, spec=SpecParams(depth=3, width=2, budget=6)
+            dtype="float32", quantization=setting, num_kv_blocks=256
         )
     )
     assert engine.quantization == setting and engine.model.layers[0].mlp.down_proj.quant_kind == setting

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.draft_tree import DraftTree
 from engines.errors import ContextLengthError, InvalidRequestError
 from engines.kv_cache import PagedKVCache
 from engines.request import FinishReason, Request
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
+from engines.spec_params import SpecParams
 from tests.conftest import CHAT_PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -248,26 +248,39 @@ def test_prompts_wait_behind_at_most_one_chunk_while_others_decode(make_engine, 
 
 
 def test_draft_budgets_are_granted_before_drafting_within_tokens_and_blocks():
-    kv = PagedKVCache(1, 1, 2, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
+    kv = PagedKVCache(1, 1, 2, num_blocks=5, block_size=4, dtype=torch.float32, device="cpu")
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=10)
 
-    def decoding(rid: str, computed: int) -> Request:
-        req = Request(rid, list(range(computed + 1)), GREEDY, 8, frozenset(), torch.Generator(), None)
+    def decoding(rid: str, computed: int, spec: SpecParams | None, max_tokens: int = 8) -> Request:
+        req = Request(rid, list(range(computed + 1)), GREEDY, max_tokens, frozenset(), torch.Generator(), None)
         req.num_computed_tokens = computed
+        req.spec = spec
         kv.allocate(rid, computed)
         sched.running.append(req)
         return req
 
-    decoding("x", 3)  # 1 block held
-    decoding("y", 6)  # 2 blocks held; 1 block left free
-    out = sched.schedule({"x": 7, "y": 7})
-    grants = {s.request.request_id: s.draft_budget for s in out.scheduled}
-    # x wants 7 tokens after its 3: the free block gives it room for 5 (3 + 5 = 8 = two blocks).
-    assert grants["x"] == 5
+    decoding("x", 3, SpecParams(depth=6, width=1, budget=6))  # 1 block held
+    decoding("y", 6, SpecParams(depth=6, width=1, budget=6))  # 2 blocks held; 1 block left free
+    decoding("z", 2, None)  # 1 block held; it does not speculate: its one token
+    out = sched.schedule()
+    grants = {s.request.request_id: (s.num_new_tokens, s.num_draft_tokens) for s in out.scheduled}
+    # x wants 1 + 6 tokens after its 3: the free block gives it room for 5 (3 + 5 = 8 = two blocks).
+    assert grants["x"] == (1, 4)
     # y has 10 - 5 = 5 tokens of budget left but no free block: room for 2 in its second block.
-    assert grants["y"] == 2
+    assert grants["y"] == (1, 1)
+    assert grants["z"] == (1, 0)
     assert kv.allocator.num_free == 0
-    with pytest.raises(ValueError):
-        out.scheduled[1].attach_draft(DraftTree.chain(1, [2, 3]))  # 3 nodes > the 2 granted
-    out.scheduled[1].attach_draft(None)
-    assert out.scheduled[1].num_new_tokens == 1 and out.scheduled[1].draft is None
+    assert out.num_tokens == 5 + 2 + 1
+
+
+def test_a_draft_is_limited_by_the_tokens_left_to_generate():
+    req = Request("r", [1, 2, 3], GREEDY, 4, frozenset(), torch.Generator(), None)
+    req.spec = SpecParams(depth=3, width=2, budget=6)
+    assert req.draft_limit() == req.spec
+    req.output_token_ids = [5, 6]  # two of four generated: the bonus token must fit too
+    assert req.draft_limit() == SpecParams(depth=1, width=2, budget=6)
+    req.output_token_ids = [5, 6, 7]
+    assert req.draft_limit() is None
+    req.spec = None
+    req.output_token_ids = []
+    assert req.draft_limit() is None

@@ -12,8 +12,8 @@ import pytest
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
+from engines.spec_decode.policy import AdaptiveSettings
 from engines.spec_params import SpecParams
-from policies.speculation import AdaptiveSettings
 from tests.conftest import CHAT_PROMPTS
 
 REPEAT = [
@@ -47,8 +47,8 @@ MIXED = [
 ADAPTIVE = AdaptiveSettings(profile=False, probe_cost=1.0, probe_every=2, shape_probe_every=4, plain_every=8)
 SPEC_ENGINES = {
     "lyanna-adaptive": {"drafter": "lyanna", "spec_policy": "adaptive", "adaptive": ADAPTIVE},
-    "eagle-fixed": {"drafter": "eagle", "spec": SpecParams(depth=3, width=2, budget=6)},
-    "ngram": {"drafter": "ngram", "spec": SpecParams(depth=4, width=2, budget=8)},
+    "eagle-fixed": {"drafter": "eagle", "spec_depth": 3, "spec_width": 2, "spec_budget": 6},
+    "ngram": {"drafter": "ngram", "spec_depth": 4, "spec_width": 2, "spec_budget": 8},
 }
 
 

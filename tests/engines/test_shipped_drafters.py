@@ -36,16 +36,19 @@ def test_shipped_checkpoint_is_small_and_has_a_model_card(kind):
 
 def test_engine_loads_the_shipped_lyanna_drafter_by_default():
     engine = LLMEngine(EngineConfig(num_kv_blocks=64))
-    assert isinstance(engine.drafter, LyannaDrafter)
-    assert isinstance(engine.drafter.token_info, TokenInfoTable) and engine.drafter.token_info.num_hot == 1024
+    assert isinstance(engine.executor.drafter, LyannaDrafter)
+    token_info = engine.executor.drafter.token_info
+    assert isinstance(token_info, TokenInfoTable) and token_info.num_hot == 1024
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lyanna", "eagle"])
 def test_shipped_drafter_accepts_above_a_floor_on_validation_prompts(kind, engine_fp32):
     prompts = [r["messages"] for r in sharegpt_prompts(4, max_chars=400, split="val")]
-    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, drafter=kind, spec=SPEC))
-    assert isinstance(engine.drafter, LyannaDrafter if kind == "lyanna" else EagleDrafter)
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", num_kv_blocks=256, drafter=kind, spec_depth=3, spec_width=4, spec_budget=16)
+    )
+    assert isinstance(engine.executor.drafter, LyannaDrafter if kind == "lyanna" else EagleDrafter)
     params = SamplingParams(temperature=0, max_tokens=48)
     got = engine.generate(prompts, params)
     want = engine_fp32.generate(prompts, params)

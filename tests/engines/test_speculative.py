@@ -30,7 +30,7 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def ngram_engine():
     return LLMEngine(
-        EngineConfig(dtype="float32", num_kv_blocks=512, drafter="ngram", spec=SpecParams(depth=4, width=2, budget=8))
+        EngineConfig(dtype="float32", num_kv_blocks=512, drafter="ngram", spec_depth=4, spec_width=2, spec_budget=8)
     )
 
 
@@ -132,7 +132,7 @@ def test_draft_tree_mask_positions_and_prune():
 
 
 def test_spec_stats_count_conditional_acceptance_by_depth():
-    from engines.engine import SpecStats
+    from engines.spec_decode.stats import SpecStats
     from engines.verification import VerifyResult
 
     chain = DraftTree.chain(1, [2, 3, 4])

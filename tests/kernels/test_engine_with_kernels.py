@@ -109,6 +109,6 @@ def test_engine_with_triton_kernels_equals_plain_decoding(tiny_target, drafters,
         assert stats.spec.num_steps > 0 and stats.spec.num_accepted_tokens > 0
         assert stats.kv_free_blocks == 64
         if drafter == "lyanna":
-            assert e.drafter.token_info.__class__.__name__ == "TokenInfoTable"  # the expansion kernel's input
+            assert e.executor.drafter.token_info.__class__.__name__ == "TokenInfoTable"  # the expansion kernel's input
     finally:
         dispatch.set_kernel_mode("auto")

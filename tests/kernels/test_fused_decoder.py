@@ -227,7 +227,7 @@ def test_speculation_is_lossless_in_the_served_configuration(layout):
     """The embedded model as served (bf16, the GGUF's int4 blocks, the fused decoder; each integer layout
     this CPU runs): with Lyanna trees, greedy and seeded outputs equal plain decoding's, in one batch,
     because a verified row computes exactly what decoding it would."""
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256, spec=SpecParams(depth=3, width=2, budget=6)))
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256))
     model = engine.model
     for lin in model.modules():
         if getattr(lin, "quant", None) is not None:

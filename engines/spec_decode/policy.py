@@ -1,8 +1,9 @@
 """Speculation policies: per step and per request, how much to draft and how much of it to verify.
 
-The engine asks its policy twice per step:
+The step executor (executor.py) asks its policy twice per step, after the scheduler has granted
+each speculating decoding request its draft budget:
 
-1. `plan`: the drafting shape (depth, width) per decoding request, or None (no draft this step);
+1. `plan`: the drafting shape (depth, width) per granted request, within its grant, or None;
 2. `allocate`: given the drafted trees, the subtree of each to verify (or None).
 
 and reports back what happened (`observe_step`, `observe_verified`). `FixedPolicy` verifies every
@@ -44,9 +45,9 @@ from typing import Any
 
 from engines.draft_tree import DraftTree
 from engines.request import Request
+from engines.spec_decode.acceptance_model import AcceptanceModel
+from engines.spec_decode.cost_model import DraftCostModel, TargetCostModel
 from engines.spec_params import SpecParams
-from policies.acceptance import AcceptanceModel
-from policies.cost_model import DraftCostModel, TargetCostModel
 
 
 @dataclass
@@ -76,8 +77,9 @@ class SpeculationPolicy(ABC):
     def plan(
         self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
     ) -> list[SpecParams | None]:
-        """Per decoding request: the tree to draft (within its caps), or None for no draft this step.
-        `other_tokens` are the step's tokens besides the decoding requests' roots (prefill chunks);
+        """Per granted decoding request: the tree to draft (within its caps: its limit and its grant),
+        or None for no draft this step. `other_tokens` are the step's scheduled tokens besides these
+        requests' roots (prefill chunks, decodes that do not speculate);
         `context` the attention keys its plain forward would read (None: not known)."""
 
     @abstractmethod

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 
 from engines.attention import attention_keys
 from engines.sampling import SamplingParams
+from engines.spec_decode.acceptance_model import AcceptanceModel
+from engines.spec_decode.cost_model import DraftCostModel
+from engines.spec_decode.policy import ShapeTable
 from engines.spec_params import SpecParams
-from policies.acceptance import AcceptanceModel
-from policies.cost_model import DraftCostModel
-from policies.speculation import ShapeTable
 
 if TYPE_CHECKING:
     from engines.engine import LLMEngine
-    from policies.speculation import AdaptivePolicy
+    from engines.spec_decode.policy import AdaptivePolicy
 
 MAX_PROFILE_TOKENS = 256
 REPEATS = 3  # timed runs per size; one slow run on a noisy machine must not set a bucket

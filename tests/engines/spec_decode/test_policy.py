@@ -10,10 +10,9 @@ import pytest
 from engines.draft_tree import DraftTree
 from engines.request import Request
 from engines.sampling import SamplingParams
-from engines.spec_params import SpecParams
-from policies.acceptance import AcceptanceModel
-from policies.cost_model import DraftCostModel, TargetCostModel
-from policies.speculation import (
+from engines.spec_decode.acceptance_model import AcceptanceModel
+from engines.spec_decode.cost_model import DraftCostModel, TargetCostModel
+from engines.spec_decode.policy import (
     AdaptivePolicy,
     AdaptiveSettings,
     FixedPolicy,
@@ -22,6 +21,7 @@ from policies.speculation import (
     _Ema,
     _RequestState,
 )
+from engines.spec_params import SpecParams
 
 
 def request(rid: str, tpot: float | None = None) -> Request:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engines.engine import EngineConfig, LLMEngine
-from engines.profiling import TREE_WEIGHT
 from engines.sampling import SamplingParams
+from engines.spec_decode.profile import TREE_WEIGHT
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_adaptive_greedy_output_equals_the_target_alone(engine_fp32):
     adaptive = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, spec_policy="adaptive"))
-    policy = adaptive.policy
+    policy = adaptive.executor.policy
     assert policy.target_cost.ready and policy.draft_cost.ready  # the start-up profile ran
     assert set(policy.target_cost.trees) == {1, 2, 4, 8}  # tree steps at batch 1, 2, 4 and 8 were profiled too
     assert all(fit.stt == pytest.approx(TREE_WEIGHT) for fit in policy.target_cost.trees.values())
@@ -40,4 +40,5 @@ def test_adaptive_policy_drives_every_drafter_losslessly(engine_fp32, drafter):
     ours = adaptive.generate(CHAT_PROMPTS, params)
     alone = engine_fp32.generate(CHAT_PROMPTS, params)
     assert [o.token_ids for o in ours] == [a.token_ids for a in alone]
-    assert adaptive.policy.draft_cost.ready and adaptive.spec_stats.num_steps > 0  # it drafted and verified
+    # it drafted and verified
+    assert adaptive.executor.policy.draft_cost.ready and adaptive.executor.stats.num_steps > 0

@@ -1,0 +1,86 @@
+"""Builds the configured drafter for an engine: n-gram, a separate draft model, Lyanna or EAGLE."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engines.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from engines.engine import EngineConfig, LLMEngine
+
+
+def _ngram(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.ngram import NgramDrafter
+
+    return NgramDrafter()
+
+
+def _draft_model(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.draft_model import DraftModelDrafter
+
+    if config.draft_model is None:
+        raise ValueError("drafter 'draft-model' needs draft_model (a checkpoint sharing the target's tokenizer)")
+    return DraftModelDrafter(config.draft_model, engine)
+
+
+def _drafter_checkpoint(config: EngineConfig, kind: str) -> str:
+    """The configured checkpoint, or the one shipped for the embedded target."""
+    from engines.drafters.checkpoint import SHIPPED
+
+    if config.draft_model is not None:
+        return config.draft_model
+    if config.model not in (None, "smollm2-135m-instruct"):
+        raise ValueError(f"drafter {kind!r} needs draft_model (a checkpoint trained for this target)")
+    return str(SHIPPED[kind])
+
+
+def _lyanna(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.checkpoint import load_draft_model, token_info_table
+    from engines.drafters.lyanna import LyannaDrafter
+
+    checkpoint = _drafter_checkpoint(config, "lyanna")
+    model = load_draft_model(checkpoint, engine, kind="lyanna")
+    table = token_info_table(model, checkpoint, config.lyanna_token_info_rows)
+    return LyannaDrafter(
+        model,
+        table,
+        resample=config.lyanna_resampling,
+        fusion=config.lyanna_fusion,
+        fused_layer=_fused_draft_layer(config, engine, model),
+        kv_cache=engine.kv_cache,
+    )
+
+
+def _fused_draft_layer(config: EngineConfig, engine: LLMEngine, model):
+    """The drafter's layer in one int8 call where the target runs its fused CPU decoder and
+    `draft_quantization` allows it; else None (the eager layer)."""
+    from engines.drafters.lyanna_model import fused_draft_layer
+
+    if config.draft_quantization == "auto" and engine.model.fused_decoder(engine.kv_cache, 1) is not None:
+        return fused_draft_layer(model, engine.kv_cache, config.max_num_seqs)
+    return None
+
+
+def _eagle(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.checkpoint import load_draft_model
+    from engines.drafters.eagle import EagleDrafter
+
+    model = load_draft_model(_drafter_checkpoint(config, "eagle"), engine, kind="eagle")
+    return EagleDrafter(model, _fused_draft_layer(config, engine, model), engine.kv_cache)
+
+
+DRAFTERS: dict[str, Callable[[EngineConfig, LLMEngine], Drafter] | None] = {
+    "none": None,
+    "ngram": _ngram,
+    "draft-model": _draft_model,
+    "lyanna": _lyanna,
+    "eagle": _eagle,
+}
+
+
+def make_drafter(config: EngineConfig, engine: LLMEngine) -> Drafter | None:
+    """The drafter named by the config (built for this engine's target and KV cache), or None."""
+    factory = DRAFTERS[config.drafter]
+    return None if factory is None else factory(config, engine)

@@ -1,0 +1,216 @@
+"""The speculative step executor: everything inside one scheduled step.
+
+    SchedulerOutput ──▶ draft (policy plan → drafter catch-up and propose → policy allocation)
+                    ──▶ StepPlan ──▶ one target forward (ModelRunner)
+                    ──▶ sample plain rows / verify draft trees (one host copy)
+                    ──▶ batched KV commit of the accepted paths
+                    ──▶ one StepResult per scheduled request
+
+The scheduler has already granted every decoding request that speculates its draft budget and the KV
+blocks for it; the executor drafts within those grants and never changes the scheduler's output. It
+does not touch a request's progress either: the engine applies the results (`LLMEngine.update`).
+Plain decoding is this executor with no drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engines.attention import attention_keys
+from engines.draft_tree import DraftTree
+from engines.drafters.base import Drafter
+from engines.kv_cache import PagedKVCache
+from engines.model_runner import ModelRunner, StepResult
+from engines.request import Request
+from engines.sampling import sample
+from engines.scheduler import ScheduledRequest, SchedulerOutput
+from engines.spec_decode.policy import SpeculationPolicy, StepRecord
+from engines.spec_decode.stats import SpecStats
+from engines.spec_params import SpecParams
+from engines.step_plan import StepPlan
+from engines.verification import VerifyItem, VerifyResult, verify_batch
+
+
+@dataclass
+class RequestStepResult:
+    """What one step did for one scheduled request, for the engine to apply."""
+
+    request: Request
+    num_computed_tokens: int  # tokens whose K/V this step committed (a chunk, a decode token, or a path)
+    token_ids: list[int]  # new output tokens: sampled, or accepted drafts + bonus; [] mid-prompt
+    num_draft_tokens: int = 0  # draft tokens verified (0: no draft this step)
+    num_accepted_tokens: int = 0
+
+
+class SpecDecodeExecutor:
+    """Runs scheduled steps: drafting and the in-step speculation policy, the target forward, sampling
+    and verification, and the KV commit; one `RequestStepResult` per scheduled request."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_cache: PagedKVCache,
+        drafter: Drafter | None,
+        policy: SpeculationPolicy,
+        chain_verifier: str = "block",
+    ):
+        self.runner = runner
+        self.kv = kv_cache
+        self.drafter = drafter
+        self.policy = policy
+        self.chain_verifier = chain_verifier
+        self.stats = SpecStats()
+        self.num_forwards = 0
+
+    def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
+        """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
+        paths' K/V; results in the order of `sched.scheduled`."""
+        scheduled = sched.scheduled
+        record = StepRecord(num_tokens=0, target_s=0.0)
+        drafts = self._draft(scheduled, record)
+        start = time.perf_counter()
+        plan = StepPlan.from_scheduled(scheduled, drafts, self.kv)
+        spans = [(plan.num_cached[b], plan.query_start[b + 1] - plan.query_start[b]) for b in range(plan.num_seqs)]
+        record.num_context = attention_keys(spans)
+        step = self.runner.execute(plan)
+        self.num_forwards += 1
+        results = self._sample_and_verify(scheduled, drafts, plan, step)
+        record.num_tokens, record.target_s = plan.num_tokens, time.perf_counter() - start
+        trees = [t for t in drafts if t is not None]
+        record.num_trees, record.num_draft_tokens = len(trees), sum(t.num_draft for t in trees)
+        self.policy.observe_step(record)
+        return results
+
+    def on_finished(self, request: Request) -> None:
+        """The request ended: drop the drafter's and the policy's state for it."""
+        if self.drafter is not None:
+            self.drafter.on_finished(request)
+        self.policy.on_finished(request.request_id)
+
+    # ---- drafting ----------------------------------------------------------------------------
+    def _draft(self, scheduled: list[ScheduledRequest], record: StepRecord) -> list[DraftTree | None]:
+        """Per scheduled request, the draft tree it verifies this step (None: no draft). The policy
+        plans each granted request's tree within its grant, the drafter drafts them in one batch, and
+        the policy allocates verification to subtrees of them."""
+        drafts: list[DraftTree | None] = [None] * len(scheduled)
+        granted = [b for b, s in enumerate(scheduled) if s.num_draft_tokens]
+        if self.drafter is None or not granted:
+            return drafts
+        reqs = [scheduled[b].request for b in granted]
+        caps = [_cap(scheduled[b]) for b in granted]
+        other_tokens = sum(s.num_new_tokens for s in scheduled if not s.num_draft_tokens)
+        context = attention_keys([(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled])
+        start = time.perf_counter()
+        plans = self.policy.plan(reqs, caps, other_tokens, context)
+        record.policy_s = time.perf_counter() - start
+        chosen = [(b, r, p) for b, r, p in zip(granted, reqs, plans, strict=True) if p is not None]
+        if not chosen:
+            return drafts
+        rows, reqs, plans = [b for b, _, _ in chosen], [r for _, r, _ in chosen], [p for _, _, p in chosen]
+        start = time.perf_counter()
+        record.num_read = sum(self.drafter.catch_up(reqs))  # every request's unread context in one pass
+        record.read_s = time.perf_counter() - start
+        start = time.perf_counter()
+        trees = self.drafter.propose(reqs, plans)
+        record.draft_s = time.perf_counter() - start
+        record.num_drafted = len(reqs)
+        record.draft_depth = max(p.depth for p in plans)
+        record.draft_width = max(p.width for p in plans)
+        start = time.perf_counter()
+        kept = self.policy.allocate(reqs, plans, trees, other_tokens)
+        record.policy_s += time.perf_counter() - start
+        for b, tree in zip(rows, kept, strict=True):
+            if tree is None or not tree.num_draft:
+                continue
+            if tree.num_draft > scheduled[b].num_draft_tokens:  # the policy keeps within the caps it was given
+                raise RuntimeError(
+                    f"a draft of {tree.num_draft} tokens exceeds the {scheduled[b].num_draft_tokens} granted"
+                )
+            drafts[b] = tree
+        return drafts
+
+    # ---- forward results -----------------------------------------------------------------------
+    def _sample_and_verify(
+        self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], plan: StepPlan, step: StepResult
+    ) -> list[RequestStepResult]:
+        """Sample the plain rows and verify the trees (one host copy between them), commit accepted
+        paths, and tell the drafter and the policy what was verified."""
+        sampling: list[tuple[int, int]] = []  # (index in the step, its logits row)
+        drafted: list[int] = []
+        hidden_hook = self.drafter is not None and self.drafter.wants_hidden
+        for b, s in enumerate(scheduled):
+            if drafts[b] is not None:
+                drafted.append(b)
+                continue
+            if hidden_hook and s.request.spec is not None:
+                self.drafter.on_prefill(s.request, s.request.num_computed_tokens, step.seq_hidden(b))
+            if plan.logits_start[b + 1] > plan.logits_start[b]:
+                sampling.append((b, plan.logits_start[b + 1] - 1))
+        sampled: torch.Tensor | None = None
+        if sampling:
+            reqs = [scheduled[b].request for b, _ in sampling]
+            rows = torch.tensor([row for _, row in sampling], device=step.logits.device)
+            sampled = sample(
+                step.logits.index_select(0, rows),
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn
+            )
+        verified: list[VerifyResult] = []
+        if drafted:
+            items = []
+            for b in drafted:
+                req = scheduled[b].request
+                items.append(VerifyItem(drafts[b], req.params, req.seed, len(req.output_token_ids)))
+            logits = torch.cat([step.seq_logits(b) for b in drafted])
+            verified, sampled_host = verify_batch(items, logits, self.chain_verifier, also=sampled)
+        else:
+            sampled_host = [] if sampled is None else sampled.tolist()  # the step's one host copy
+        results = [RequestStepResult(s.request, s.num_new_tokens, []) for s in scheduled]
+        for (b, _), token in zip(sampling, sampled_host, strict=True):
+            results[b].token_ids = [token]
+        if drafted:
+            self._commit(scheduled, drafts, drafted, verified, step, results)
+        return results
+
+    def _commit(
+        self,
+        scheduled: list[ScheduledRequest],
+        drafts: list[DraftTree | None],
+        drafted: list[int],
+        verified: list[VerifyResult],
+        step: StepResult,
+        results: list[RequestStepResult],
+    ) -> None:
+        """Move every accepted path's K/V into place in one copy; record and report each verification."""
+        commits = [
+            (scheduled[b].request.request_id, scheduled[b].request.num_computed_tokens, r.path)
+            for b, r in zip(drafted, verified, strict=True)
+        ]
+        self.runner.move_kv(*self.kv.path_moves(commits))
+        for b, result in zip(drafted, verified, strict=True):
+            req, tree = scheduled[b].request, drafts[b]
+            self.stats.record(tree, result)
+            self.policy.observe_verified(req, tree, result.path)
+            hidden = step.seq_hidden(b)
+            path = torch.tensor(result.path, device=hidden.device)
+            self.drafter.on_verified(req, tree, result, hidden.index_select(0, path))
+            results[b] = RequestStepResult(
+                req,
+                num_computed_tokens=len(result.path),
+                token_ids=[tree.tokens[i] for i in result.path[1:]] + [result.bonus],
+                num_draft_tokens=tree.num_draft,
+                num_accepted_tokens=result.num_accepted,
+            )
+
+
+def _cap(s: ScheduledRequest) -> SpecParams:
+    """The largest tree a granted request may draft: its limit, within its grant."""
+    limit = s.request.draft_limit()
+    if limit is None:
+        raise RuntimeError(f"request {s.request.request_id!r} was granted a draft it may not make")
+    return limit if limit.budget <= s.num_draft_tokens else dataclasses.replace(limit, budget=s.num_draft_tokens)
