@@ -10,6 +10,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,14 @@ ROLE_OF = {
     "bing": "assistant",
     "system": "system",
 }
+
+
+def split_of(conversation_id: str, val_fraction: float = 0.02, turns: bool = True) -> str:
+    """'train' or 'val', fixed by the conversation id (the same on every machine and run). With
+    `turns`, ids are ShareGPT's `<conversation>_<turn>` and a conversation's turns share its split."""
+    key = conversation_id.split("_")[0] if turns else conversation_id
+    bucket = zlib.crc32(key.encode()) % 10_000
+    return "val" if bucket < val_fraction * 10_000 else "train"
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -69,7 +78,6 @@ def sharegpt_prompts(num: int, max_chars: int = 2000, min_chars: int = 8, split:
     """The first `num` ShareGPT conversations whose opening user turn has a usable length, as
     single-turn prompt records ({'id', 'messages'}); `split` 'train' or 'val' keeps one side of the
     drafter-training split (evaluate drafters on 'val')."""
-    from engines.training.data import split_of
 
     out = []
     for rec in iter_sharegpt():

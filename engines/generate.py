@@ -13,12 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from engines.engine import DRAFTERS, EngineConfig, LLMEngine
+from engines.engine import LLMEngine
+from engines.engine_config import add_engine_args, engine_config_from_args
 from engines.errors import InvalidRequestError
 from engines.sampling import SamplingParams
-from engines.spec_params import SpecParams
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,23 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--drafter", default="lyanna", choices=sorted(DRAFTERS), help="default: the shipped Lyanna")
-    ap.add_argument(
-        "--draft-model", default=None, help="checkpoint for --drafter draft-model / lyanna / eagle (default: shipped)"
-    )
-    ap.add_argument("--depth", type=int, default=SpecParams.depth, help="draft tree depth")
-    ap.add_argument("--width", type=int, default=SpecParams.width, help="children per draft node at most")
-    ap.add_argument("--budget", type=int, default=SpecParams.budget, help="draft tokens verified per step at most")
-    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
-    ap.add_argument(
-        "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
-    )
-    ap.add_argument(
-        "--quantization", default="auto", choices=["auto", "none", "int8", "int4", "gguf"], help="target weights"
-    )
+    add_engine_args(ap)  # every engine setting, with EngineConfig's defaults (--depth/--width/--budget: the tree)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -73,20 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         params.validate(vocab_size=sys.maxsize)  # fail fast, before the model loads
-        spec = SpecParams(depth=args.depth, width=args.width, budget=args.budget).validate()
-        engine = LLMEngine(
-            EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                device=args.device,
-                tensor_parallel_size=args.tensor_parallel_size,
-                kernels=args.kernels,
-                quantization=args.quantization,
-                drafter=args.drafter,
-                draft_model=args.draft_model,
-                spec=spec,
-            )
-        )
+        config = engine_config_from_args(args)
+    except ValueError as e:  # an impossible setting, before the model loads
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(config)
         req = engine.add_request(messages, params)
     except InvalidRequestError as e:
         print(f"error: {e.message}", file=sys.stderr)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from engines.engine import EngineConfig, LLMEngine
+from engines.engine_config import add_engine_args
 from engines.model import MLP, RMSNorm
 from engines.sampling import SamplingParams
 
@@ -35,7 +36,7 @@ def decode_times(engine: LLMEngine, batch: int, steps: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, ["dtype"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)

@@ -22,6 +22,7 @@ import torch
 
 from engines.datasets import sharegpt_prompts
 from engines.engine import EngineConfig, LLMEngine
+from engines.engine_config import add_engine_args
 from engines.parallel import TensorParallel
 from engines.sampling import SamplingParams
 
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--drafters", default="none,lyanna")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, ["dtype"])
     args = ap.parse_args()
     TensorParallel.all_reduce = timed_all_reduce
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -16,8 +16,8 @@ import json
 
 from engines.datasets import read_prompt_file
 from engines.engine import EngineConfig, LLMEngine
+from engines.engine_config import add_engine_args
 from engines.sampling import SamplingParams
-from engines.spec_params import SpecParams
 
 
 def parse_drafter(text: str, **settings) -> tuple[str, EngineConfig]:
@@ -41,18 +41,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, ["spec_depth", "spec_width", "spec_budget", "dtype"])
     ap.add_argument("--drafter", action="append", required=True, help="LABEL=KIND[:CHECKPOINT][:dense]")
     args = ap.parse_args(argv)
-    spec = SpecParams(depth=args.depth, width=args.width, budget=args.budget)
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     rows: dict[str, dict] = {}
     for text in args.drafter:
-        label, cfg = parse_drafter(text, dtype=args.dtype, spec=spec, max_num_seqs=args.batch_size)
+        label, cfg = parse_drafter(
+            text,
+            dtype=args.dtype,
+            spec_depth=args.spec_depth,
+            spec_width=args.spec_width,
+            spec_budget=args.spec_budget,
+            max_num_seqs=args.batch_size,
+        )
         engine = LLMEngine(cfg)
         engine.generate([r["messages"] for r in records], params)
         stats = engine.stats().spec
@@ -61,12 +64,18 @@ def main(argv: list[str] | None = None) -> dict:
             "mean_accepted_tokens": stats.mean_accepted_tokens,
             "steps": stats.num_steps,
         }
-    print("| drafter | " + " | ".join(f"step {d}" for d in range(1, args.depth + 1)) + " | tokens/step |")
-    print("| --- " * (args.depth + 2) + "|")
+    print("| drafter | " + " | ".join(f"step {d}" for d in range(1, args.spec_depth + 1)) + " | tokens/step |")
+    print("| --- " * (args.spec_depth + 2) + "|")
     for label, r in rows.items():
-        acc = (r["acceptance_by_depth"] + [0.0] * args.depth)[: args.depth]
+        acc = (r["acceptance_by_depth"] + [0.0] * args.spec_depth)[: args.spec_depth]
         print(f"| {label} | " + " | ".join(f"{a:.1%}" for a in acc) + f" | {r['mean_accepted_tokens']:.2f} |")
-    result = {"depth": args.depth, "width": args.width, "budget": args.budget, "prompts": len(records), "rows": rows}
+    result = {
+        "depth": args.spec_depth,
+        "width": args.spec_width,
+        "budget": args.spec_budget,
+        "prompts": len(records),
+        "rows": rows,
+    }
     print(json.dumps(result))
     return result
 

@@ -39,9 +39,11 @@ from typing import Any
 import torch
 
 from engines.datasets import read_prompt_file
-from engines.engine import EngineConfig, LLMEngine, SpecStats
+from engines.engine import LLMEngine
+from engines.engine_config import EngineConfig, add_engine_args, engine_config_from_args
 from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
+from engines.spec_decode.stats import SpecStats
 from engines.spec_params import SpecParams
 
 
@@ -108,6 +110,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+ENGINE_FLAGS = (
+    "model",
+    "dtype",
+    "device",
+    "tensor_parallel_size",
+    "kernels",
+    "quantization",
+    "enforce_eager",
+    "spec_depth",
+    "spec_width",
+    "spec_budget",
+)
+
+
 def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> EngineConfig:
     """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
@@ -119,17 +135,15 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     quantization = next((o for o in options if o != "eager"), None)
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kernels=args.kernels,
+    return engine_config_from_args(
+        args,
         quantization=quantization or args.quantization,
         max_num_seqs=max(args.batch_size, 1),
         drafter=drafter,
         draft_model=checkpoint,
-        spec=spec,
+        spec_depth=spec.depth,
+        spec_width=spec.width,
+        spec_budget=spec.budget,
         spec_policy=policy or "fixed",
         enforce_eager=args.enforce_eager or "eager" in options,
         **overrides,
@@ -143,7 +157,7 @@ def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
     name, *nums = text.split(":")
     if len(nums) not in (0, 3):
         raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
-    depth, width, budget = (int(n) for n in nums) if nums else (args.depth, args.width, args.budget)
+    depth, width, budget = (int(n) for n in nums) if nums else (args.spec_depth, args.spec_width, args.spec_budget)
     return name + tag + label, SpecParams(depth=depth, width=width, budget=budget)
 
 
@@ -160,27 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--drafter", default="none", help="drafter when --compare is not given")
-    ap.add_argument("--depth", type=int, default=4, help="draft tree depth")
-    ap.add_argument("--width", type=int, default=2, help="children per draft node at most")
-    ap.add_argument("--budget", type=int, default=8, help="draft tokens verified per step at most")
     ap.add_argument("--compare", default=None, help="comma-separated configurations, e.g. none,ngram,ngram:6:3:16")
     ap.add_argument("--draft-model", default=None, help="checkpoint of the draft model (drafter draft-model)")
     ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
     ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
-    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the target is split over (Ray actors)")
-    ap.add_argument(
-        "--kernels", default="auto", choices=["auto", "triton", "torch"], help="Triton kernels or PyTorch references"
-    )
-    ap.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4", "gguf"],
-        help="target weights (a configuration NAME+QUANT overrides it, e.g. none+int8)",
-    )
-    ap.add_argument("--enforce-eager", action="store_true", help="the eager layers for every configuration")
+    # The engine's own settings: flags, defaults and help from EngineConfig (--depth/--width/--budget
+    # are the tree of a configuration given without one).
+    add_engine_args(ap, [*ENGINE_FLAGS])
     ap.add_argument(
         "--compare-llamacpp",
         action="store_true",
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = ap.parse_args(argv)
     if args.policy == "adaptive":
-        adaptive = f"{args.drafter}@adaptive:{args.depth}:{args.width}:{args.budget}"
+        adaptive = f"{args.drafter}@adaptive:{args.spec_depth}:{args.spec_width}:{args.spec_budget}"
         args.compare = f"{args.compare},{adaptive}" if args.compare else adaptive
 
     records = read_prompt_file(args.prompts)[: args.num_prompts]
@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         params = SamplingParams(
             temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=ignore_eos
         )
-        before_forwards, before_spec = engine.num_forwards, engine.spec_stats
-        engine.spec_stats = SpecStats()
+        executor = engine.executor  # its counters are swapped for this wave's
+        before_forwards, before_spec = executor.num_forwards, executor.stats
+        executor.stats = SpecStats()
         reqs = [engine.add_request(prompt_token_ids=prompts[i], params=params, spec=spec) for i in wave]
         t0 = time.perf_counter()
         while engine.has_unfinished():
@@ -236,11 +237,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if side is not None:
             side.wall_s += dt
             side.wave_s.append(dt)
-            side.forwards += engine.num_forwards - before_forwards
-            side.spec.add(engine.spec_stats)
+            side.forwards += executor.num_forwards - before_forwards
+            side.spec.add(executor.stats)
             for i, r in zip(wave, reqs, strict=True):
                 side.outputs[i] = list(r.output_token_ids)
-        engine.spec_stats = before_spec
+        executor.stats = before_spec
 
     def run_other(generate, wave: list[int], side: Side | None) -> None:
         """Time another system's `generate(prompts)` on a wave and record its outputs."""

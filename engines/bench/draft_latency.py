@@ -31,6 +31,7 @@ import torch
 from engines.datasets import read_prompt_file
 from engines.drafters.token_info_sampling import build_subtrees
 from engines.engine import EngineConfig, LLMEngine
+from engines.engine_config import add_engine_args
 from engines.request import Request
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -67,7 +68,7 @@ UNREAD = 3  # tokens per request the catch-up timing leaves unread: a typical de
 def catch_up_pieces(engine: LLMEngine, requests: list[Request]) -> dict[str, Callable[[], object]]:
     """Reading the unread context of `requests` (prefilled) in one pass vs one by one; each call first
     forgets the K/V of the last `UNREAD` positions (a view, no copy), so it has them to read again."""
-    drafter = engine.drafter
+    drafter = engine.executor.drafter
     drafter.catch_up(requests)
     states = [drafter.states[req.request_id] for req in requests]
     kept = [st.processed - UNREAD for st in states]
@@ -95,21 +96,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=16)
+    add_engine_args(ap, ["spec_depth", "spec_width", "spec_budget", "dtype"])
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
     ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
     args = ap.parse_args(argv)
-    spec = SpecParams(depth=args.depth, width=args.width, budget=args.budget)
+    spec = SpecParams(depth=args.spec_depth, width=args.spec_width, budget=args.spec_budget)
 
     def engine(drafter: str, checkpoint: str | None) -> LLMEngine:
-        return LLMEngine(EngineConfig(dtype=args.dtype, drafter=drafter, draft_model=checkpoint, spec=spec))
+        return LLMEngine(
+            EngineConfig(
+                dtype=args.dtype,
+                drafter=drafter,
+                draft_model=checkpoint,
+                spec_depth=spec.depth,
+                spec_width=spec.width,
+                spec_budget=spec.budget,
+            )
+        )
 
     lyanna_engine, eagle_engine = engine("lyanna", args.lyanna), engine("eagle", args.eagle)
-    lyanna, eagle = lyanna_engine.drafter, eagle_engine.drafter
+    lyanna, eagle = lyanna_engine.executor.drafter, eagle_engine.executor.drafter
     times: dict[str, list[float]] = {}
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = lyanna.token_info
     result["token_info_table_bytes"] = getattr(table, "nbytes", 0)
     result["token_info_table_rows"] = getattr(table, "num_hot", 0)
-    result |= {"depth": args.depth, "width": args.width, "budget": args.budget, "dtype": args.dtype}
+    result |= {"depth": args.spec_depth, "width": args.spec_width, "budget": args.spec_budget, "dtype": args.dtype}
     for name, v in result.items():
         print(f"{name:28s} {v:.3f}" if isinstance(v, float) else f"{name:28s} {v}")
     print(json.dumps(result))

@@ -25,6 +25,7 @@ import time
 import torch
 
 from engines.engine import EngineConfig, LLMEngine
+from engines.engine_config import add_engine_args
 from engines.sampling import SamplingParams
 
 
@@ -96,7 +97,7 @@ def batch_with_long_context(engine: LLMEngine, batch: int, long_context: int, rn
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, ["dtype"])
     ap.add_argument("--long-prompt", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--long-context", type=int, default=2000)

@@ -21,17 +21,18 @@ import torch
 
 from engines.attention import SequenceLayout, build_attention_metadata
 from engines.datasets import iter_sharegpt, sharegpt_messages
+from engines.engine_config import add_engine_args
 from engines.kv_cache import PagedKVCache
 from engines.loader import load_model
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
 from kernels import fused_decoder
-from kernels.dispatch import KERNEL_MODES, set_kernel_mode
+from kernels.dispatch import set_kernel_mode
 
 
 def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> list[tuple[list[int], int]]:
     """(token ids, index of the answer's first token) for `num` validation conversations with an answer."""
-    from engines.training.data import split_of
+    from engines.datasets import split_of
 
     out = []
     for rec in iter_sharegpt():
@@ -88,12 +89,10 @@ def decode_numerics(model: LlamaModel) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Score every setting against the fp32 reference; print one JSON line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)")
+    add_engine_args(ap, ["model", "dtype", "kernels"])
     ap.add_argument("--num", type=int, default=32, help="validation conversations")
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per conversation at most")
     ap.add_argument("--settings", default="none,int8,int4,gguf", help="quantization settings to score (bf16)")
-    ap.add_argument("--dtype", default="bfloat16", help="dtype of the scored settings")
-    ap.add_argument("--kernels", default="auto", choices=KERNEL_MODES, help="kernel mode (torch: PyTorch's int4/int8)")
     args = ap.parse_args(argv)
     set_kernel_mode(args.kernels)
     reference = load_model(args.model, "float32", "cpu", quantization="none")

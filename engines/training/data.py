@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,7 +28,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines.datasets import iter_sharegpt, sharegpt_messages
+from engines.datasets import iter_sharegpt, sharegpt_messages, split_of
+from engines.engine_config import add_engine_args
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
 
@@ -43,14 +43,6 @@ class Example:
     id: str
     token_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens (including their end-of-turn token)
-
-
-def split_of(conversation_id: str, val_fraction: float = 0.02, turns: bool = True) -> str:
-    """'train' or 'val', fixed by the conversation id (the same on every machine and run). With
-    `turns`, ids are ShareGPT's `<conversation>_<turn>` and a conversation's turns share its split."""
-    key = conversation_id.split("_")[0] if turns else conversation_id
-    bucket = zlib.crc32(key.encode()) % 10_000
-    return "val" if bucket < val_fraction * 10_000 else "train"
 
 
 def render(tokenizer: Tokenizer, conv_id: str, messages: list[dict[str, str]], max_len: int) -> Example | None:
@@ -348,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=1024, help="tokens per conversation at most (sharegpt)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length (self)")
     ap.add_argument("--batch-size", type=int, default=16, help="generation batch (self)")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_engine_args(ap, ["dtype"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -44,7 +44,7 @@ def test_sharegpt_prompt_file_round_trip(tmp_path):
     path = tmp_path / "p.jsonl"
     write_prompt_file(records, path)
     assert read_prompt_file(path) == records
-    from engines.training.data import split_of
+    from engines.datasets import split_of
 
     val = sharegpt_prompts(3, split="val")
     assert len(val) == 3 and all(split_of(r["id"]) == "val" for r in val)

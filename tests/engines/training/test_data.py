@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from engines.datasets import iter_sharegpt
+from engines.datasets import iter_sharegpt, split_of
 from engines.sampling import SamplingParams
 from engines.training.data import (
     Example,
@@ -15,7 +15,6 @@ from engines.training.data import (
     render,
     self_distilled_examples,
     sharegpt_examples,
-    split_of,
     target_hidden_states,
     write_features,
 )
