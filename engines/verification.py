@@ -123,26 +123,50 @@ def verify_tree_by_sampling(tree: DraftTree, target_probs: torch.Tensor, rng: Rn
     return follow_target(tree, lambda node: rng.categorical(target_probs[node]))
 
 
-def verify_tree(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
-    """Sequential acceptance down a deterministic tree (target_probs: [n, vocab], rows sum to 1)."""
-    node = 0
-    path = [0]
-    children = tree.child_lists()
-    while True:
+def _sequential_tests(tree: DraftTree, target_probs: torch.Tensor, children: list[list[int]]) -> list[list[float]]:
+    """`verify_tree`'s numbers for every node, computed as tensors and copied to the host at once: node i
+    with children c_1..c_m gets [M_0, p_0(x_1), M_1, p_1(x_2), ..., M_m], where p_j is its target row with
+    the tokens x_1..x_j of its first j children set to 0 and M_j = p_j.sum() (each sum the same 1-D
+    reduction the walk would make, so the numbers are bit for bit those of testing child by child)."""
+    values: list[torch.Tensor] = []
+    counts: list[int] = []
+    for node, kids in enumerate(children):
         p = target_probs[node]
-        accepted = None
-        for c in children[node]:
+        for c in kids:
             x = tree.tokens[c]
-            mass = p.sum().item()
-            if mass <= 0:
-                break
-            if rng.bernoulli(p[x].item() / mass):
-                accepted = c
-                break
+            values += [p.sum(), p[x]]
             p = p.clone()
             p[x] = 0.0
+        values.append(p.sum())
+        counts.append(2 * len(kids) + 1)
+    flat = torch.stack(values).tolist()  # the one host copy
+    return [flat[a - n : a] for a, n in zip(accumulate(counts), counts, strict=True)]
+
+
+def verify_tree(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
+    """Sequential acceptance down a deterministic tree (target_probs: [n, vocab], rows sum to 1). Every
+    node's acceptance probabilities come to the host in one copy (`_sequential_tests`); the walk reads them."""
+    children = tree.child_lists()
+    tests = _sequential_tests(tree, target_probs, children)
+    node = 0
+    path = [0]
+    while True:
+        kids, numbers = children[node], tests[node]
+        accepted, zeroed = None, 0  # zeroed: children rejected so far (their tokens' mass removed)
+        for j, c in enumerate(kids):
+            mass = numbers[2 * j]
+            if mass <= 0:
+                break
+            if rng.bernoulli(numbers[2 * j + 1] / mass):
+                accepted = c
+                break
+            zeroed = j + 1
         if accepted is None:
-            return VerifyResult(path, rng.categorical(p if p.sum() > 0 else target_probs[node]))
+            p = target_probs[node]
+            if zeroed and numbers[2 * zeroed] > 0:  # what is left of p (else all of p)
+                p = p.clone()
+                p[[tree.tokens[c] for c in kids[:zeroed]]] = 0.0
+            return VerifyResult(path, rng.categorical(p))
         node = accepted
         path.append(node)
 
@@ -156,15 +180,22 @@ def _chain_tokens(tree: DraftTree) -> list[int]:
 
 
 def verify_chain_rejection(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
-    """Token-wise rejection sampling: accept x_t w.p. min(1, p/q); on rejection draw from (p - q)+."""
+    """Token-wise rejection sampling: accept x_t w.p. min(1, p/q); on rejection draw from (p - q)+. Every
+    step's ratio and whether its residual has mass come to the host in one copy."""
     draft = _chain_tokens(tree)
     q = tree.draft_probs
-    for t, x in enumerate(draft):
-        p_t, q_t = target_probs[t], q[t]
-        if not rng.bernoulli(min(1.0, (p_t[x] / q_t[x]).item()) if q_t[x] > 0 else 1.0):
-            residual = (p_t - q_t).clamp_min(0)
-            return VerifyResult(list(range(t + 1)), rng.categorical(residual if residual.sum() > 0 else p_t))
-    return VerifyResult(list(range(len(draft) + 1)), rng.categorical(target_probs[len(draft)]))
+    g = len(draft)
+    p, q = target_probs[:g], q[:g].to(target_probs.device)
+    idx = torch.tensor(draft, dtype=torch.int64, device=p.device)[:, None]
+    p_x, q_x = p.gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
+    has_residual = ((p - q).clamp_min(0) > 0).any(-1)  # (p - q)+ sums to > 0 iff an entry is > 0
+    ratios, q_pos, residual_pos = torch.stack([p_x / q_x, q_x > 0, has_residual]).tolist()  # one host copy
+    for t in range(g):
+        if not rng.bernoulli(min(1.0, ratios[t]) if q_pos[t] else 1.0):
+            p_t = target_probs[t]
+            residual = (p_t - tree.draft_probs[t]).clamp_min(0)
+            return VerifyResult(list(range(t + 1)), rng.categorical(residual if residual_pos[t] else p_t))
+    return VerifyResult(list(range(g + 1)), rng.categorical(target_probs[g]))
 
 
 def block_weights(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,37 +213,43 @@ def block_weights(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Te
     return w, s
 
 
-def _block_verify(tree: DraftTree, target_probs: torch.Tensor, rng: Rng, accept_all: float) -> VerifyResult:
+def _block_verify(tree: DraftTree, target_probs: torch.Tensor, rng: Rng, published: bool) -> VerifyResult:
+    """Block verification's decisions (`published`: the HSD paper's whole-chain probability instead); its
+    numbers (the whole-chain probability, the h_t and the residual masses) come to the host in one copy."""
     draft = tree.tokens[1:]
     g = len(draft)
-    w, _ = block_weights(tree, target_probs)
-    if rng.bernoulli(accept_all):
-        return VerifyResult(list(range(g + 1)), rng.categorical(target_probs[g]))
+    w, s = block_weights(tree, target_probs)
+    accept_all = torch.exp(s[-1]) if published else w[-1]
     p = target_probs[:g].double()
-    q = tree.draft_probs[:g].double()
+    q = tree.draft_probs[:g].to(p.device).double()
     res = (w[:g, None] * p - q).clamp_min(0)  # [g, vocab]
     S = res.sum(-1)
     denom = S + 1 - w[:g]
     h = torch.where(denom > 0, S / denom.clamp_min(1e-300), torch.ones_like(S))
-    h[0] = 1.0
+    if g:
+        h[0] = 1.0
+    numbers = torch.cat([accept_all.double().reshape(1), h, S]).tolist()  # the one host copy
+    accept, h_host, S_host = numbers[0], numbers[1 : g + 1], numbers[g + 1 :]
+    if rng.bernoulli(min(1.0, accept) if published else accept):
+        return VerifyResult(list(range(g + 1)), rng.categorical(target_probs[g]))
     tau = 0
     for t in range(1, g):  # tau = the last t with U_t < h_t
-        if rng.bernoulli(h[t].item()):
+        if rng.bernoulli(h_host[t]):
             tau = t
-    weights = res[tau] if S[tau] > 0 else p[tau]
+    weights = res[tau] if S_host[tau] > 0 else p[tau]
     return VerifyResult(list(range(tau + 1)), rng.categorical(weights))
 
 
 def verify_chain_block(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
     """Block verification: accept the whole chain w.p. w_g, else the longest prefix by the h_t draws."""
-    w, _ = block_weights(tree, target_probs)
-    return _block_verify(tree, target_probs, rng, w[-1].item())
+    _chain_tokens(tree)
+    return _block_verify(tree, target_probs, rng, published=False)
 
 
 def verify_chain_hsd_published_lossy(tree: DraftTree, target_probs: torch.Tensor, rng: Rng) -> VerifyResult:
     """LOSSY: the HSD paper's published code, accepting the whole chain w.p. min(1, prod rho)."""
-    _, s = block_weights(tree, target_probs)
-    return _block_verify(tree, target_probs, rng, min(1.0, torch.exp(s[-1]).item()))
+    _chain_tokens(tree)
+    return _block_verify(tree, target_probs, rng, published=True)
 
 
 CHAIN_VERIFIERS = {
@@ -382,14 +419,13 @@ def walk_sampled_trees(items: list[VerifyItem], logits: torch.Tensor, offsets: l
     width = max((len(c) for kids in children for c in kids), default=0) or 1
     # [total nodes, width]: each node's children as global rows and their tokens (-1: none)
     total = logits.shape[0]
-    child_row = torch.full((total, width), -1, dtype=torch.int64)
-    child_tok = torch.full((total, width), -1, dtype=torch.int64)
+    child = [[[-1] * width for _ in range(total)] for _ in range(2)]  # built on the host, moved in one copy
     for it, kids, off in zip(items, children, offsets, strict=True):
         for node, cs in enumerate(kids):
             for k, c in enumerate(cs):
-                child_row[off + node, k] = off + c
-                child_tok[off + node, k] = it.tree.tokens[c]
-    child_row, child_tok = child_row.to(device), child_tok.to(device)
+                child[0][off + node][k] = off + c
+                child[1][off + node][k] = it.tree.tokens[c]
+    child_row, child_tok = torch.tensor(child, dtype=torch.int64).to(device, non_blocking=True)
     seeds = torch.tensor([seed_to_int64(it.seed) for it in items], dtype=torch.int64, device=device)
     base = torch.tensor([it.base_position for it in items], dtype=torch.int64, device=device)
     params = [it.params for it in items]

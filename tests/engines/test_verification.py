@@ -459,3 +459,42 @@ def test_fused_trees_are_exactly_lossless(seed):
     world = World(seed)
     law = decoding_law(lambda out: fused_tree_step(world, out))
     assert total_variation(law, world.target_law()) < 1e-9
+
+
+class TokenRng:
+    """An Rng that decides without reading any tensor: bernoulli(p) is p >= 0.5, categorical is token 0."""
+
+    def bernoulli(self, p: float) -> bool:
+        return p >= 0.5
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return 0
+
+
+def test_reference_verifiers_copy_their_numbers_to_the_host_once(monkeypatch):
+    """A verification's per-node and per-step numbers come to the host in one copy, whatever the tree's size
+    or how far down the walk goes: every host read of a tensor is counted."""
+    world = World(4)
+    tree, probs = top_k_tree(world, [3, 2, 2], ())  # 1 + 3 + 6 + 12 nodes
+    steps = [world.p(()) for _ in range(6)]
+    chain = DraftTree.chain(-1, [0, 1, 2, 0, 1], draft_probs=torch.stack([world.q(()) for _ in range(6)]))
+    reads: list[str] = []
+
+    def counted(name: str) -> Callable:
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            reads.append(name)
+            return original(self, *args)
+
+        return read
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    cases = [(verify_tree, tree, probs)] + [(v, chain, torch.stack(steps)) for v in REFERENCE_CHAIN_VERIFIERS.values()]
+    for verifier, draft, target in cases:
+        reads.clear()
+        verifier(draft, target, TokenRng())
+        assert reads == ["tolist"], (verifier.__name__, reads)
+    monkeypatch.undo()
+    assert verify_tree(tree, probs, TokenRng()).num_accepted >= 2  # the walk went down the tree
