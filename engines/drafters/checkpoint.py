@@ -5,6 +5,9 @@ map when the LM head is restricted) and `config.json` (`kind`, the drafter's swi
 training wrote: settings, wall time, validation metrics), and `hot_tokens.json` (the training data's
 most frequent generated tokens, for the collapsed token-info table). The frozen embedding and LM head come
 from the target at load time, so a checkpoint only fits the target it was trained for.
+
+Weights are stored in bf16 (`SHIPPED_DTYPE`: half the bytes in git, and what the drafter serves in by
+default); loading casts them to the dtype the target runs in.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ MODEL_CLASSES: dict[str, type[LyannaDraftModel]] = {"lyanna": LyannaDraftModel, 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 # Drafters trained for the embedded target, by drafter kind.
 SHIPPED = {"lyanna": SHIPPED_DIR / "lyanna-smollm2-135m", "eagle": SHIPPED_DIR / "eagle-smollm2-135m"}
+# The dtype a drafter's floating weights are written in (training keeps its own dtype).
+SHIPPED_DTYPE = torch.bfloat16
 
 
 def new_draft_model(kind: str, cfg: LyannaConfig, target, hot_tokens: torch.Tensor | None = None) -> LyannaDraftModel:

@@ -53,7 +53,7 @@ from engines.training.features import (
     stored_features,
 )
 from engines.training.report import plot_curves, write_model_card
-from engines.training.train_drafter import Progress, Run, TrainConfig, tokens_per_second, train
+from engines.training.train_drafter import Progress, Run, TrainConfig, tokens_per_second, train, training_weights
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def build(recipe: dict[str, Any]):
     torch.manual_seed(recipe["train"]["seed"])  # the same initial drafter on every worker and every run
     model = new_drafter(recipe, frozen).to(device)
     if recipe["init_from"]:  # fine-tuning: an earlier drafter's weights (a run checkpoint, if any, wins later)
-        model.load_state_dict(load_file(str(Path(recipe["init_from"]) / "model.safetensors")), strict=True)
+        model.load_state_dict(training_weights(recipe["init_from"]), strict=True)
     out = Path(recipe["out"])
     target = None
     if recipe["features"] != "store":

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engines.drafters.checkpoint import save_draft_model
+from engines.drafters.checkpoint import SHIPPED_DTYPE, save_draft_model
 from engines.drafters.lyanna_model import LyannaDraftModel
 
 log = logging.getLogger(__name__)
@@ -263,15 +263,29 @@ class Progress:
 
 def _write_checkpoint(model, opt, progress: Progress, cfg: TrainConfig, card: dict):
     def write(folder: Path) -> None:
-        save_draft_model(model, folder, {"train": asdict(cfg)} | card)
-        torch.save({"optimizer": opt.state_dict(), "progress": asdict(progress)}, folder / "train_state.pt")
+        # The drafter's weights in the shipped format (bf16); train_state.pt keeps them at training
+        # precision beside the optimizer, so a resumed run continues exactly where it stopped.
+        save_draft_model(model, folder, {"train": asdict(cfg)} | card, dtype=SHIPPED_DTYPE)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": asdict(progress)}
+        torch.save(state, folder / "train_state.pt")
         (folder / "curve.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress.curve))
 
     return write
 
 
+def training_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """A drafter folder's weights at training precision: train_state.pt's copy when the folder is a
+    training checkpoint that has one, else model.safetensors (bf16 for a shipped drafter)."""
+    state_path = Path(folder) / "train_state.pt"
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        if "model" in state:
+            return state["model"]
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
 def _restore(model, opt, folder: Path) -> Progress:
-    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    model.load_state_dict(training_weights(folder), strict=False)
     state = torch.load(folder / "train_state.pt", weights_only=False)
     opt.load_state_dict(state["optimizer"])
     return Progress(**state["progress"])

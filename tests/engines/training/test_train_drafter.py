@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engines.config import ModelConfig
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.training.data import Example, ShardWriter
 from engines.training.features import StoredFeatures
-from engines.training.train_drafter import Run, TrainConfig, Validator, acceptance_by_step, distill_loss, train
+from engines.training.train_drafter import (
+    Run,
+    TrainConfig,
+    Validator,
+    acceptance_by_step,
+    distill_loss,
+    train,
+    training_weights,
+)
 
 TARGET = ModelConfig(
     vocab_size=40,
@@ -52,7 +61,10 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     assert after["val_loss"] < 0.5 * before["val_loss"]
     assert after["acc1"] > before["acc1"] and after["acc1"] > 0.5
     assert after["cond1"] > 0.5 and after["chain_tokens"] > 1.5
-    assert (tmp_path / "ckpt" / "model.safetensors").exists()
+    # The drafter's weights are written in the shipped dtype; train_state.pt keeps them at training precision.
+    shipped = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert shipped["fuse.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(training_weights(tmp_path / "ckpt")["fuse.weight"], model.fuse.weight.detach())
     # Resume: a longer run continues from the saved step instead of starting over.
     state = torch.load(tmp_path / "ckpt" / "train_state.pt", weights_only=False)["progress"]
     assert state["step"] == 13 * 6  # the sequence without loss positions takes a step that learns nothing
