@@ -117,7 +117,8 @@ def _qweight(linear: PackableLinear, n: int, k: int, held: list[object]) -> _QWe
     q = linear.quant
     if q is None or q.layout not in INTEGER_LAYOUTS:
         raise ValueError("the fused decoder takes integer-dot quantized projections")
-    if (q.out_features, q.in_features) != (n, k) or k % integer_dot.GROUP or (q.layout == "vnni" and n % 16):
+    blocks = integer_dot.INTERLEAVE if q.layout == "vnni" else 1  # output rows the layout groups
+    if (q.out_features, q.in_features) != (n, k) or k % integer_dot.GROUP or n % blocks:
         raise ValueError(f"a projection is [{q.out_features}, {q.in_features}], the layer reads [{n}, {k}]")
     mins_needed = q.bits == 4 or q.layout == "vnni"
     sizes = [(q.data, 1, n * k * q.bits // 8), (q.scales, 2, n * k // integer_dot.GROUP)]
@@ -185,6 +186,9 @@ class _Layers:
     def _build(self) -> None:
         cfg, layers, bs = self.cfg, self.layers, self.block_size
         H, D, Hq, Hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if D % 8 or D > 128 or Hq % Hk or Hq // Hk > 16:  # decoder.c's vectors and per-head arrays
+            raise ValueError(f"the fused decoder takes head_dim a multiple of 8 up to 128 and at most 16 query "
+                             f"heads per KV head, not {D} and {Hq} / {Hk}")  # fmt: skip
         k, v = self.cache.k.detach(), self.cache.v.detach()  # written in place: never a copy
         if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(layers) or k.shape[2:] != (Hk, D):
             raise ValueError(f"the cache is {list(k.shape)}, the layers read [{len(layers)}, slots, {Hk}, {D}]")
