@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from engines.drafters.checkpoint import new_draft_model, read_config, save_hot_tokens
 from engines.drafters.lyanna_model import LyannaConfig
 from engines.drafters.token_info import tokens_by_frequency
+from engines.engine_config import add_engine_args
 from engines.training.data import (
     Example,
     ExampleFile,
@@ -180,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (every TrainConfig field is an option)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=["lyanna", "eagle"], default="lyanna")
-    ap.add_argument("--model", default=None, help="target: a Llama checkpoint folder or .gguf (default: embedded)")
+    add_engine_args(ap, ["model", "dtype", "quantization"])
     ap.add_argument(
         "--source",
         default="sharegpt",
@@ -200,8 +201,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=0, help="Ray Train workers (0: train in this process)")
     ap.add_argument("--threads-per-worker", type=int, default=1)
     ap.add_argument("--gpu", action="store_true", help="train on GPUs (one per Ray Train worker)")
-    ap.add_argument("--dtype", default="bfloat16", help="the target's dtype for features and self-distillation")
-    ap.add_argument("--quantization", default="auto", help="the target's weights for features (as served)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length (--source self)")
     ap.add_argument("--gen-batch", type=int, default=16, help="generation batch (--source self)")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="hot-vocabulary LM head (0: full vocabulary)")

@@ -29,7 +29,9 @@ def eagle_engine(checkpoint, **overrides) -> LLMEngine:
         "num_kv_blocks": 256,
         "drafter": "eagle",
         "draft_model": checkpoint,
-        "spec": SpecParams(depth=3, width=3, budget=8),
+        "spec_depth": 3,
+        "spec_width": 3,
+        "spec_budget": 8,
     } | overrides
     return LLMEngine(EngineConfig(**cfg))
 

@@ -15,7 +15,6 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import PackableLinear
 from engines.request import Request
 from engines.sampling import SamplingParams
-from engines.spec_params import SpecParams
 from kernels import integer_dot
 from kernels.quantized_linear import dequantized
 from tests.conftest import CHAT_PROMPTS
@@ -26,7 +25,7 @@ LONG_PROMPT = [{"role": "user", "content": "Summarise this: " + "the quick brown
 
 
 def served_engine(**overrides) -> LLMEngine:
-    cfg = {"num_kv_blocks": 256, "spec": SpecParams(depth=4, width=2, budget=8)} | overrides
+    cfg = {"num_kv_blocks": 256, "spec_depth": 4, "spec_width": 2, "spec_budget": 8} | overrides
     return LLMEngine(EngineConfig(**cfg))
 
 
@@ -201,11 +200,13 @@ def test_eagle_trees_do_not_depend_on_their_batch(eagle_engine):
 
 def test_eagle_with_the_fused_layer_is_lossless_through_preemption():
     """Greedy and seeded EAGLE trees over the paged frontier paths equal plain decoding, with preemptions."""
-    small = served_engine(drafter="eagle", num_kv_blocks=7, spec=SpecParams(depth=3, width=2, budget=6))
+    # 6 blocks of 16: the first two prompts (37 and 38 tokens) take 3 blocks each, so whichever of them
+    # first passes 48 tokens (well before its 24th output token) must preempt, whatever the drafts accept.
+    small = served_engine(drafter="eagle", num_kv_blocks=6, spec_depth=3, spec_width=2, spec_budget=6)
     plain = served_engine(drafter="none")
     for params in (
-        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
     ):
         reqs = [small.add_request(p, params) for p in CHAT_PROMPTS[:3]]
         while small.has_unfinished():

@@ -33,7 +33,9 @@ def lyanna_engine(checkpoint, **overrides) -> LLMEngine:
         "num_kv_blocks": 256,
         "drafter": "lyanna",
         "draft_model": checkpoint,
-        "spec": SpecParams(depth=3, width=2, budget=6),
+        "spec_depth": 3,
+        "spec_width": 2,
+        "spec_budget": 6,
     } | overrides
     return LLMEngine(EngineConfig(**cfg))
 
@@ -86,7 +88,7 @@ def test_batched_catch_up_equals_each_request_alone(lyanna_checkpoint):
 
 @pytest.mark.parametrize("fusion", [True, False])
 def test_batched_proposal_equals_the_per_request_reference(lyanna_checkpoint, fusion):
-    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8), lyanna_fusion=fusion)
+    engine = lyanna_engine(lyanna_checkpoint, spec_depth=4, spec_width=2, spec_budget=8, lyanna_fusion=fusion)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS]  # contexts of different lengths
     drafter, m, info = engine.executor.drafter, engine.executor.drafter.model, engine.executor.drafter.token_info
@@ -124,7 +126,7 @@ def test_batched_proposal_equals_the_per_request_reference(lyanna_checkpoint, fu
 
 def test_a_stale_resampled_tree_is_dropped(lyanna_checkpoint):
     spec = SpecParams(depth=4, width=2, budget=8)
-    engine = lyanna_engine(lyanna_checkpoint, spec=spec)
+    engine = lyanna_engine(lyanna_checkpoint, spec_depth=spec.depth, spec_width=spec.width, spec_budget=spec.budget)
     req = engine.add_request(CHAT_PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     st = None
     for _ in range(4):
@@ -169,7 +171,7 @@ def test_seeded_sampling_with_lyanna_reproduces(lyanna_checkpoint):
 
 @pytest.mark.slow
 def test_resampled_trees_are_fused_and_output_is_unchanged(lyanna_checkpoint, engine_fp32):
-    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8))
+    engine = lyanna_engine(lyanna_checkpoint, spec_depth=4, spec_width=2, spec_budget=8)
     assert engine.executor.drafter.resample
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = engine.generate(CHAT_PROMPTS, params)
@@ -205,7 +207,7 @@ def test_hot_vocabulary_drafter_keeps_greedy_output(engine_fp32, tmp_path):
 
 @pytest.mark.slow
 def test_resampled_trees_verified_alone_without_fusion(lyanna_checkpoint, engine_fp32):
-    engine = lyanna_engine(lyanna_checkpoint, spec=SpecParams(depth=4, width=2, budget=8), lyanna_fusion=False)
+    engine = lyanna_engine(lyanna_checkpoint, spec_depth=4, spec_width=2, spec_budget=8, lyanna_fusion=False)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = engine.generate(CHAT_PROMPTS[:2], params)
     want = engine_fp32.generate(CHAT_PROMPTS[:2], params)

@@ -40,7 +40,9 @@ def engine(target: str, kernels: str, drafter: str = "none", draft: str | None =
             block_size=4,  # trees and prompts cross block boundaries
             drafter=drafter,
             draft_model=draft,
-            spec=SpecParams(depth=3, width=2, budget=6),
+            spec_depth=3,
+            spec_width=2,
+            spec_budget=6,
             kernels=kernels,
         )
     )
