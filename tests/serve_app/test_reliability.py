@@ -85,7 +85,7 @@ def with_(**fields) -> dict:
     return OK | fields
 
 
-# (label, body, extra headers, status, param): the README's hostile-input table.
+# (label, body, extra headers, status, param): the hostile-input table in docs/serving.md.
 HOSTILE = [
     ("lone surrogate in content", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
      % MODEL.encode(), {}, 400, None),
