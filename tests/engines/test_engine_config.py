@@ -22,6 +22,8 @@ from engines.engine_config import (
     engine_config_from_args,
 )
 from engines.spec_params import SpecParams
+from kernels.dispatch import KERNEL_MODES
+from kernels.quantized_linear import QUANTIZATIONS
 from serve_app.replica import EngineSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,8 +73,12 @@ def test_impossible_settings_are_refused_naming_them(bad):
     assert next(iter(bad)) in str(err.value) or "draft_model" in str(err.value)
 
 
-def test_the_drafter_names_are_the_factory_s():
+def test_the_named_choices_are_the_implementations():
+    """The config's choices are what the drafter factory, the kernel dispatcher and the quantizer take."""
     assert set(typing.get_args(DrafterName)) == set(DRAFTERS)
+    fields = EngineConfig.model_fields
+    assert set(typing.get_args(fields["kernels"].annotation)) == set(KERNEL_MODES)
+    assert set(typing.get_args(fields["quantization"].annotation)) == {*QUANTIZATIONS, "auto"}
 
 
 @pytest.mark.parametrize("path", ["serve_config.yaml", "serve_config.tp2.yaml"])
