@@ -49,8 +49,13 @@ def test_ray_train_two_workers_learn_and_resume(tiny_target, tmp_path):
     main([*common[:-4], "--out", str(local), "--features", "store", "--stop-after", "5"])
     ray_weights = training_weights(out / "checkpoint")  # at training precision (model.safetensors is bf16)
     local_weights = training_weights(local / "checkpoint")
+    # Adam moves a weight by about lr on its first steps whatever its gradient's size, so the few weights
+    # whose gradient sums to 0 in one order and to +-1e-12 in the other (two workers' all-reduce against
+    # one process's batch) differ by ~lr; everything else agrees to rounding.
     for name, w in local_weights.items():
-        torch.testing.assert_close(ray_weights[name], w, atol=2e-4, rtol=1e-3, msg=name)
+        off = ~torch.isclose(ray_weights[name], w, atol=2e-4, rtol=1e-3)
+        assert off.float().mean() < 1e-2, f"{name}: {off.sum()} of {off.numel()} weights differ"
+        assert (ray_weights[name] - w).abs().max() <= 2 * 5 * 3e-3, name  # 5 steps of about lr (3e-3) at most
     main([*common, "--features", "store"])
     done = _state(out)
     usable = json.loads((out / "checkpoint" / "config.json").read_text())["data"]["train_examples"]
