@@ -8,6 +8,7 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,8 +43,10 @@ class GenerationRequest:
     """
 
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    messages: list[dict[str, str]] | None = None  # OpenAI-style chat messages, rendered by the chat template
+    messages: list[dict[str, Any]] | None = None  # OpenAI-style chat messages, rendered by the chat template
     prompt_token_ids: list[int] | None = None  # or the prompt as token ids (no template)
+    prompt: str | None = None  # or the prompt as text, tokenized without a template (completions)
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, rendered with the messages
     params: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams | None = None  # None: the engine's default speculation
     tpot_target_s: float | None = None  # time-per-output-token target (SLO) the speculation policy honours
@@ -123,6 +126,16 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities: the token there, its log-probability, and the most likely
+    tokens at that position with theirs (most likely first; as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request: the new tokens and text since the last delta."""
@@ -142,6 +155,10 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    # One per new token when the request asked for `logprobs`; None otherwise.
+    logprobs: list[TokenLogprob] | None = None
+    # Per prompt token when it asked for `prompt_logprobs` (the first token has none): first delta only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # When the engine emitted this delta (monotonic, the clock of `arrival_time` and `first_token_time`).
     output_time: float = field(default_factory=time.monotonic)
 
@@ -162,4 +179,6 @@ class RequestOutput:
             later,
             new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text,
+            logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )

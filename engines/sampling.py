@@ -19,8 +19,10 @@ import torch
 
 from engines.errors import InvalidRequestError
 from engines.positional_random import gumbel_for
+from engines.structured_params import StructuredOutputParams
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is any int64
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -36,6 +38,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities: None returns none; k >= 0 returns each emitted token's log-probability and the
+    # k most likely alternatives at its position (k <= MAX_LOGPROBS). See `logprobs_mode` in EngineConfig.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (completions' echo)
+    structured: StructuredOutputParams | None = None  # a grammar the output must follow (None: free text)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +84,12 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.structured is not None:
+            self.structured.validate()
         return self
 
     def make_generator(self, device: torch.device | str = "cpu", seed: int | None = None) -> torch.Generator:
