@@ -21,7 +21,7 @@ from engines.errors import ContextLengthError, InvalidRequestError
 from engines.kv_cache import PagedKVCache, kv_cache_dtype
 from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner
-from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus
+from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus, TokenLogprob
 from engines.sampling import SamplingParams
 from engines.scheduler import Scheduler
 from engines.spec_decode.executor import RequestStepResult, SpecDecodeExecutor
@@ -130,7 +130,7 @@ class LLMEngine:
         self.busy_seconds = 0.0
         policy = make_policy(config.spec_policy, config.adaptive)
         self.executor = SpecDecodeExecutor(
-            self.runner, self.kv_cache, make_drafter(config, self), policy, config.chain_verifier
+            self.runner, self.kv_cache, make_drafter(config, self), policy, config.chain_verifier, config.logprobs_mode
         )
         if self.executor.drafter is not None and isinstance(policy, AdaptivePolicy) and config.adaptive.profile:
             profile_engine(self, policy)
@@ -299,20 +299,27 @@ class LLMEngine:
                 req.num_spec_steps += 1
                 req.num_draft_tokens += r.num_draft_tokens
                 req.num_accepted_tokens += r.num_accepted_tokens
+            if r.prompt_logprobs:
+                req.prompt_logprob_entries.extend(r.prompt_logprobs)
             if r.token_ids:
-                outputs.append(self.append_tokens(req, r.token_ids))
+                outputs.append(self.append_tokens(req, r.token_ids, r.logprobs))
         return outputs
 
-    def append_tokens(self, req: Request, tokens: list[int]) -> RequestOutput:
-        """Append generated tokens, applying stop tokens, stop strings and max_tokens; emit the delta."""
+    def append_tokens(
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        """Append generated tokens (and their log-probabilities, when the request asked), applying stop
+        tokens, stop strings and max_tokens; emit the delta."""
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
         params = req.params
         reason: FinishReason | None = None
         max_stop = max((len(s) for s in params.stop), default=0)
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             req.output_token_ids.append(tok)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
             if tok in req.stop_token_ids:
                 reason = FinishReason.STOP
                 break
@@ -350,6 +357,12 @@ class LLMEngine:
         new_text = text[req.num_text_sent : end]
         req.num_text_sent = max(req.num_text_sent, end)
         new_ids = req.output_token_ids[req.num_tokens_sent :]
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = req.output_logprobs[req.num_tokens_sent :]
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_logprobs, req.prompt_logprobs_sent = [None, *req.prompt_logprob_entries], True
         req.num_tokens_sent = len(req.output_token_ids)
         return RequestOutput(
             request_id=req.request_id,
@@ -367,6 +380,8 @@ class LLMEngine:
             num_draft_tokens=req.num_draft_tokens,
             num_accepted_tokens=req.num_accepted_tokens,
             num_preemptions=req.num_preemptions,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- offline use -------------------------------------------------------------------------

@@ -67,6 +67,10 @@ class EngineConfig(BaseModel):
     chain_verifier: Literal["block", "rejection"] = Field(
         "block", description="Sampled chain drafts: block verification or token-wise rejection sampling"
     )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs",
+        description="Returned log-probabilities: the model's (raw_logprobs) or after temperature/top-k/top-p/min-p",
+    )
     lyanna_resampling: bool = Field(True, description="Lyanna re-samples after a rejection (Algorithm 2)")
     lyanna_token_info_rows: int = Field(
         1024, ge=0, description="Hot tokens in Lyanna's collapsed token-info table (0: the dense low-rank product)"

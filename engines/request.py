@@ -90,6 +90,17 @@ class Request:
     num_spec_steps: int = 0  # verification forwards with a draft
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
+    prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
+    prompt_logprobs_sent: bool = False
+
+    def prompt_logprob_rows(self, start: int, num_tokens: int) -> list[int]:
+        """Which of the tokens [start, start + num_tokens) being computed score a prompt token not yet
+        scored (row r predicts token start + r + 1); [] unless the request asked for prompt logprobs."""
+        if self.params.prompt_logprobs is None:
+            return []
+        done, end = len(self.prompt_logprob_entries), len(self.prompt_token_ids)
+        return [r for r in range(num_tokens) if done < start + r + 1 < end]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -79,7 +79,8 @@ class StepPlan:
     ) -> StepPlan:
         """The step of the scheduler's decisions and the drafts made for them (one per scheduled
         request, None for none): draft trees with logits at every node, prefill chunks with logits at
-        their end only when they finish the prompt, decode tokens with logits."""
+        their end only when they finish the prompt (and at every token that scores a prompt token for
+        a request asking for prompt log-probabilities), decode tokens with logits."""
         plan = cls()
         for s, tree in zip(scheduled, drafts, strict=True):
             req = s.request
@@ -89,6 +90,8 @@ class StepPlan:
                 plan.add(req.request_id, table, start, tree.tokens, tree.parents, tree.depths, list(range(tree.size)))
                 continue
             end = start + s.num_new_tokens
-            rows = [s.num_new_tokens - 1] if end == req.num_tokens else []
+            rows = req.prompt_logprob_rows(start, s.num_new_tokens)
+            if end == req.num_tokens:
+                rows = [*rows, s.num_new_tokens - 1]
             plan.add(req.request_id, table, start, req.token_ids(start, end), logits_rows=rows)
         return plan

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -24,9 +25,10 @@ from engines.attention import attention_keys
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
 from engines.kv_cache import PagedKVCache
+from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
-from engines.request import Request
-from engines.sampling import sample
+from engines.request import Request, TokenLogprob
+from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample
 from engines.scheduler import ScheduledRequest, SchedulerOutput
 from engines.spec_decode.policy import SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats
@@ -44,6 +46,9 @@ class RequestStepResult:
     token_ids: list[int]  # new output tokens: sampled, or accepted drafts + bonus; [] mid-prompt
     num_draft_tokens: int = 0  # draft tokens verified (0: no draft this step)
     num_accepted_tokens: int = 0
+    accepted_path: list[int] = field(default_factory=list)  # the verified tree's accepted nodes, root first
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt tokens this chunk scored, when asked
 
 
 class SpecDecodeExecutor:
@@ -57,8 +62,10 @@ class SpecDecodeExecutor:
         drafter: Drafter | None,
         policy: SpeculationPolicy,
         chain_verifier: str = "block",
+        logprobs_mode: LogprobsMode = "raw_logprobs",
     ):
         self.runner = runner
+        self.logprobs_mode = logprobs_mode
         self.kv = kv_cache
         self.drafter = drafter
         self.policy = policy
@@ -137,8 +144,9 @@ class SpecDecodeExecutor:
     def _sample_and_verify(
         self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], plan: StepPlan, step: StepResult
     ) -> list[RequestStepResult]:
-        """Sample the plain rows and verify the trees (one host copy between them), commit accepted
-        paths, and tell the drafter and the policy what was verified."""
+        """Sample the plain rows and verify the trees (one host copy between them, which also carries
+        the log-probabilities requests asked for), commit accepted paths, and tell the drafter and the
+        policy what was verified."""
         sampling: list[tuple[int, int]] = []  # (index in the step, its logits row)
         drafted: list[int] = []
         hidden_hook = self.drafter is not None and self.drafter.wants_hidden
@@ -148,7 +156,7 @@ class SpecDecodeExecutor:
                 continue
             if hidden_hook and s.request.spec is not None:
                 self.drafter.on_prefill(s.request, s.request.num_computed_tokens, step.seq_hidden(b))
-            if plan.logits_start[b + 1] > plan.logits_start[b]:
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens:
                 sampling.append((b, plan.logits_start[b + 1] - 1))
         sampled: torch.Tensor | None = None
         if sampling:
@@ -160,6 +168,11 @@ class SpecDecodeExecutor:
                 [r.seed for r in reqs],
                 [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn
             )
+        logprob_rows, owners = self._logprob_rows(scheduled, drafts, plan, step, sampling, sampled)
+        also = sampled
+        if logprob_rows:
+            payload = logprob_rows.gather(step.logits, self.logprobs_mode)
+            also = payload if sampled is None else torch.cat([sampled, payload])
         verified: list[VerifyResult] = []
         if drafted:
             items = []
@@ -167,15 +180,149 @@ class SpecDecodeExecutor:
                 req = scheduled[b].request
                 items.append(VerifyItem(drafts[b], req.params, req.seed, len(req.output_token_ids)))
             logits = torch.cat([step.seq_logits(b) for b in drafted])
-            verified, sampled_host = verify_batch(items, logits, self.chain_verifier, also=sampled)
+            verified, also_host = verify_batch(items, logits, self.chain_verifier, also=also)
         else:
-            sampled_host = [] if sampled is None else sampled.tolist()  # the step's one host copy
+            also_host = [] if also is None else also.tolist()  # the step's one host copy
+        sampled_host, logprobs_host = also_host[: len(sampling)], also_host[len(sampling) :]
         results = [RequestStepResult(s.request, s.num_new_tokens, []) for s in scheduled]
         for (b, _), token in zip(sampling, sampled_host, strict=True):
             results[b].token_ids = [token]
         if drafted:
             self._commit(scheduled, drafts, drafted, verified, step, results)
+        if logprob_rows:
+            self._attach_logprobs(logprob_rows.unpack(logprobs_host), owners, results)
+        self._chain_logprobs(scheduled, drafts, drafted, verified, plan, step, results)
         return results
+
+    # ---- log-probabilities ----------------------------------------------------------------------
+    def _logprob_rows(
+        self,
+        scheduled: list[ScheduledRequest],
+        drafts: list[DraftTree | None],
+        plan: StepPlan,
+        step: StepResult,
+        sampling: list[tuple[int, int]],
+        sampled: torch.Tensor | None,
+    ) -> tuple[LogprobRows, list[tuple[int, str, int]]]:
+        """The rows whose log-probabilities this step returns, with their owners (index in the step,
+        "output" / "prompt" / "tree", count): each sampled row scores its sampled token; a prompt chunk
+        scores the next prompt token at each row; every node of a deterministic draft tree scores the
+        target's own draw there (the token emitted after the node when it lies on the accepted path:
+        the argmax, or the positional Gumbel draw `verify_batch` makes). Stochastic chains are scored
+        after verification (`_chain_logprobs`)."""
+        rows = LogprobRows.empty()
+        owners: list[tuple[int, str, int]] = []
+        device = step.logits.device
+        for m, (b, row) in enumerate(sampling):
+            params = scheduled[b].request.params
+            if params.logprobs is not None:
+                rows.add([row], sampled[m : m + 1], params, params.logprobs)
+                owners.append((b, "output", 1))
+        for b, s in enumerate(scheduled):
+            req = s.request
+            wanted = req.prompt_logprob_rows(req.num_computed_tokens, s.num_new_tokens)
+            if wanted:
+                first = plan.logits_start[b]
+                # StepPlan gives a prompt-logprobs chunk a logits row at each of its tokens that needs one
+                chunk_rows = plan.logits_indices[first : plan.logits_start[b + 1]]
+                local = {r - plan.query_start[b]: first + i for i, r in enumerate(chunk_rows)}
+                tokens = [req.prompt_token_ids[req.num_computed_tokens + r + 1] for r in wanted]
+                rows.add(
+                    [local[r] for r in wanted],
+                    torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True),
+                    req.params,
+                    req.params.prompt_logprobs,
+                )
+                owners.append((b, "prompt", len(wanted)))
+        trees = [
+            b
+            for b, tree in enumerate(drafts)
+            if tree is not None
+            and scheduled[b].request.params.logprobs is not None
+            and not _stochastic_chain(tree, scheduled[b].request.params)
+        ]
+        if trees:
+            node_rows = [plan.logits_start[b] + n for b in trees for n in range(drafts[b].size)]
+            index = torch.tensor(node_rows, dtype=torch.long).to(device, non_blocking=True)
+            logits = step.logits.index_select(0, index)
+            draws = logits.argmax(-1)
+            drawn = [i for i, b in enumerate(trees) if not scheduled[b].request.params.greedy]
+            if drawn:
+                offsets = [0, *accumulate(drafts[b].size for b in trees)]
+                local = [offsets[i] + n for i in drawn for n in range(drafts[trees[i]].size)]
+                reqs = [scheduled[trees[i]].request for i in drawn]
+                sizes = [drafts[trees[i]].size for i in drawn]
+                params = [r.params for r, k in zip(reqs, sizes, strict=True) for _ in range(k)]
+                seeds = [r.seed for r, k in zip(reqs, sizes, strict=True) for _ in range(k)]
+                positions = [
+                    len(r.output_token_ids) + d
+                    for r, i in zip(reqs, drawn, strict=True)
+                    for d in drafts[trees[i]].depths
+                ]
+                at = torch.tensor(local, dtype=torch.long).to(device, non_blocking=True)
+                draws = draws.index_copy(
+                    0, at, gumbel_argmax(processed_logprobs(logits.index_select(0, at), params), seeds, positions)
+                )
+            offset = 0
+            for b in trees:
+                size, params = drafts[b].size, scheduled[b].request.params
+                rows.add(node_rows[offset : offset + size], draws[offset : offset + size], params, params.logprobs)
+                owners.append((b, "tree", size))
+                offset += size
+        return rows, owners
+
+    @staticmethod
+    def _attach_logprobs(
+        entries: list[TokenLogprob], owners: list[tuple[int, str, int]], results: list[RequestStepResult]
+    ) -> None:
+        """Hand each request its log-probabilities: the sampled token's, the prompt chunk's, or those of
+        the nodes on its accepted path (node path[j]'s draw is the j-th emitted token)."""
+        offset = 0
+        for b, kind, count in owners:
+            mine, offset = entries[offset : offset + count], offset + count
+            if kind == "prompt":
+                results[b].prompt_logprobs = mine
+                continue
+            if kind == "output":
+                results[b].logprobs = mine
+                continue
+            path = results[b].accepted_path
+            chosen = [mine[node] for node in path]
+            if [e.token_id for e in chosen] != results[b].token_ids:
+                raise RuntimeError("log-probabilities were read for other tokens than the verified ones")
+            results[b].logprobs = chosen
+
+    def _chain_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        drafts: list[DraftTree | None],
+        drafted: list[int],
+        verified: list[VerifyResult],
+        plan: StepPlan,
+        step: StepResult,
+        results: list[RequestStepResult],
+    ) -> None:
+        """Log-probabilities for stochastic chains (the draft-model drafter), whose bonus token is a
+        residual draw known only after verification: one more gather and host copy, in steps where such
+        a request asked for them."""
+        rows = LogprobRows.empty()
+        chains = []
+        for b, result in zip(drafted, verified, strict=True):
+            params = scheduled[b].request.params
+            if params.logprobs is None or not _stochastic_chain(drafts[b], params):
+                continue
+            tokens = results[b].token_ids
+            node_rows = [plan.logits_start[b] + node for node in result.path]
+            rows.add(
+                node_rows, torch.tensor(tokens, dtype=torch.long, device=step.logits.device), params, params.logprobs
+            )
+            chains.append(b)
+        if rows:
+            entries = rows.unpack(rows.gather(step.logits, self.logprobs_mode).tolist())
+            offset = 0
+            for b in chains:
+                n = len(results[b].token_ids)
+                results[b].logprobs, offset = entries[offset : offset + n], offset + n
 
     def _commit(
         self,
@@ -205,7 +352,13 @@ class SpecDecodeExecutor:
                 token_ids=[tree.tokens[i] for i in result.path[1:]] + [result.bonus],
                 num_draft_tokens=tree.num_draft,
                 num_accepted_tokens=result.num_accepted,
+                accepted_path=result.path,
             )
+
+
+def _stochastic_chain(tree: DraftTree, params: SamplingParams) -> bool:
+    """Whether `verify_batch` verifies this draft as a stochastic chain (a draft model's sampled draft)."""
+    return not params.greedy and tree.draft_probs is not None
 
 
 def _cap(s: ScheduledRequest) -> SpecParams:
