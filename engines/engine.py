@@ -177,8 +177,10 @@ class LLMEngine:
         context length, the vocabulary); touches no engine state (safe from any thread)."""
         arrival = time.monotonic()  # tokenizing counts toward the time to first token
         params, vocab = request.params, self.tokenizer.vocab_size
-        if request.prompt_token_ids is None:
-            prompt = self.tokenizer.apply_chat_template(request.messages)
+        if request.prompt is not None:  # completions: the text as is, no template
+            prompt = self.tokenizer.encode_prompt(request.prompt)
+        elif request.prompt_token_ids is None:
+            prompt = self.tokenizer.apply_chat_template(request.messages, request.tools)
         else:
             prompt = list(request.prompt_token_ids)
             if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -190,7 +192,8 @@ class LLMEngine:
         if len(prompt) >= limit:
             raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens; the prompt has {len(prompt)} tokens "
-                "and leaves no room for a completion."
+                "and leaves no room for a completion.",
+                param="messages" if request.messages is not None else "prompt",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(prompt)
         if len(prompt) + max_tokens > limit:
