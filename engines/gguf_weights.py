@@ -1,10 +1,11 @@
-"""A Llama GGUF's linear weights as shipped: Q4_0/Q4_1 blocks as int4 codes, Q8_0 blocks as int8.
+"""A GGUF's linear weights as shipped: Q4_0/Q4_1 blocks as int4 codes, Q8_0 blocks as int8.
 
 GGUF stores a [N, K] weight row by row in blocks of 32 inputs. Q4_1 block: fp16 d, fp16 m, then 16
 bytes whose low nibbles are inputs 0-15 and high nibbles inputs 16-31; w = q * d + m. Q4_0: fp16 d and
 the same nibbles; w = (q - 8) * d. Q8_0: fp16 d and 32 int8; w = q * d. llama.cpp's converter also
-reorders the rows of the query and key projections within each head (its RoPE layout); `hf_rows`
-undoes that, so rows come out in Hugging Face order.
+reorders the rows of the query and key projections within each head (its RoPE layout) for the "llama"
+architecture (Llama and Mistral checkpoints), not for "qwen2"; `hf_rows` undoes that, so rows come out in
+Hugging Face order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+# GGUF architectures whose converter permutes the query and key rows (llama.cpp's LlamaModel and subclasses).
+PERMUTED_ARCHITECTURES = ("llama",)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -57,7 +62,10 @@ class GGUFWeights:
         self.path = Path(path)
         self.reader = GGUFReader(str(path))
         self.tensors = {name: t for t in self.reader.tensors if (name := hf_name(t.name)) is not None}
-        self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+        field = self.reader.get_field("general.architecture")
+        self.architecture = field.contents() if field is not None else "llama"
+        permuted = self.architecture in PERMUTED_ARCHITECTURES
+        self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
 
     def kind(self, name: str) -> str:
         """The stored type ("Q4_1", "Q8_0", "F16", ...)."""

@@ -1,5 +1,6 @@
 """Where model weights come from: the embedded SmolLM2 GGUF (converted once and cached as a plain
-Hugging Face checkpoint folder) or any Hugging Face Llama checkpoint folder (config.json + safetensors)."""
+Hugging Face checkpoint folder) or a Hugging Face Llama, Mistral or Qwen2 checkpoint folder (config.json +
+safetensors; engines/config.py lists what is supported and refuses the rest)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engines.config import ModelConfig
+from engines.config import ModelConfig, UnsupportedModelError
 from engines.model import LlamaModel
 from engines.parallel import TensorParallel
 from kernels.quantized_linear import QUANTIZATIONS
@@ -60,7 +61,7 @@ def embedded_gguf_path() -> Path:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize a Llama GGUF with transformers and write a Hugging Face checkpoint folder (fp32)."""
+    """Dequantize a GGUF with transformers and write a Hugging Face checkpoint folder (fp32)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +70,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)  # dequantized dense weights from here on
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = [type(hf).__name__]  # checked at load (engines/config.py)
     cfg["dtype"] = "float32"
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
@@ -124,14 +125,30 @@ class CheckpointReader:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"no .safetensors files in {folder}")
+        self.folder = folder
         self._handles = [safe_open(folder / f, framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
+        self.read: set[str] = set()
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor stored under `name`."""
         if name not in self._where:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
+            raise KeyError(f"checkpoint {self.folder} has no tensor {name!r}")
+        self.read.add(name)
         return self._where[name].get_tensor(name)
+
+    def check_all_read(self, cfg: ModelConfig) -> None:
+        """Refuse a checkpoint that holds weights the model did not take (a bias or a layer the config does
+        not describe would otherwise be dropped silently). A tied model may still store its LM head."""
+        ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        left = sorted(n for n in self._where if n not in self.read and n not in ignorable
+                      and not n.endswith("rotary_emb.inv_freq"))  # fmt: skip
+        if left:
+            more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+            raise UnsupportedModelError(
+                f"{self.folder} holds tensors a {cfg.architecture} of this config does not have: "
+                f"{', '.join(left[:3])}{more}"
+            )
 
 
 @dataclass
@@ -176,7 +193,8 @@ def load_model(
     tp: TensorParallel | None = None,
     quantization: str = "none",
 ) -> LoadedModel:
-    """Load a Llama-family target: resolve the checkpoint, build our model, copy (this rank's) weights;
+    """Load a Llama, Mistral or Qwen2 target: resolve the checkpoint, build our model (`UnsupportedModelError`
+    for another architecture), copy (this rank's) weights;
     then quantize them (`resolve_quantization`): "int8"/"int4" from the loaded weights, "gguf" from the
     GGUF's own blocks."""
     folder = resolve_checkpoint(model)
@@ -187,7 +205,9 @@ def load_model(
         net = LlamaModel(cfg, dtype=dt, tp=tp)
     net = net.to_empty(device=dev)
     net.rotary = net.rotary.__class__(cfg).to(dev)  # buffers are computed, not loaded
-    net.load_hf_weights(CheckpointReader(folder).get)
+    reader = CheckpointReader(folder)
+    net.load_hf_weights(reader.get)
+    reader.check_all_read(cfg)
     if quant == "gguf":
         from engines.gguf_weights import GGUFWeights
 

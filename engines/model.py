@@ -1,4 +1,5 @@
-"""A plain Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache.
+"""A plain Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over a paged KV cache: Llama,
+Mistral and Qwen2 (q/k/v biases) checkpoints (engines/config.py says what each brings).
 
 `LlamaModel.forward` takes a flat ragged batch: the new tokens of several sequences with their
 positions and an `AttentionMetadata` saying where their K/V go and what each token may see. It returns
@@ -99,7 +100,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with a fused, column-parallel QKV projection."""
+    """Grouped-query self-attention with a fused, column-parallel QKV projection (with Qwen2's q/k/v biases
+    when the config has them)."""
 
     num_heads: int  # query heads on this rank
     num_kv_heads: int  # KV heads on this rank
@@ -112,7 +114,9 @@ class Attention(nn.Module):
         self.num_kv_heads = tp.split(groups, "num_kv_heads")[1]
         self.num_heads = self.num_kv_heads * (cfg.num_heads // groups)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], tp, dtype, units=groups)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [q_size, kv_size, kv_size], tp, dtype, units=groups, bias=cfg.qkv_bias
+        )
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp, dtype, units=groups)
         self.scale = cfg.head_dim**-0.5
 
@@ -127,7 +131,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         q_local, kv_local = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # RoPE and attention run in the cache's dtype (fp32 where the CPU has no bf16 arithmetic).
+        # RoPE and attention run in the cache's dtype (fp32 where the CPU has no bf16 arithmetic); a bias is
+        # added in fp32 before that cast.
         qkv = self.qkv_proj(x).to(k_cache.dtype)
         # RoPE on q and k heads in one go: they are adjacent in the fused projection.
         heads = self.num_heads + self.num_kv_heads
@@ -280,6 +285,17 @@ class LlamaModel(nn.Module):
         def all_int4(names: list[str]) -> bool:
             return all(weights.kind(n) in ("Q4_0", "Q4_1") for n in names)
 
+        # The loaded weights are transformers' dequantization of this same file: the first query projection
+        # must come out of the file as loaded (else its rows are in another order than `weights` assumes).
+        name, (start, end) = "model.layers.0.self_attn.q_proj.weight", self.layers[0].attn.qkv_proj.ranges[0]
+        loaded = self.layers[0].attn.qkv_proj.weight[: end - start].float()
+        stored = weights.dequantized(name)[start:end]
+        if not torch.allclose(loaded, stored, rtol=1e-2, atol=1e-2 * float(stored.abs().max())):
+            raise ValueError(
+                f"{weights.path}'s {name} does not match its conversion (architecture "
+                f"{weights.architecture!r}): its rows are not in the order this loader assumes"
+            )
+
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             fused = [
@@ -338,7 +354,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, get: Callable[[str], torch.Tensor]) -> None:
-        """Fill parameters from Hugging Face Llama tensor names; `get(name)` returns a full tensor."""
+        """Fill parameters from Hugging Face Llama / Mistral / Qwen2 tensor names (`model.layers.{i}.self_attn.
+        q_proj.weight`, ...; Qwen2's q/k/v biases too); `get(name)` returns a full tensor."""
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.dtype)
@@ -352,7 +369,8 @@ class LlamaModel(nn.Module):
             layer.input_norm.weight.copy_(cast(get(p + "input_layernorm.weight")))
             layer.post_attn_norm.weight.copy_(cast(get(p + "post_attention_layernorm.weight")))
             attn = p + "self_attn."
-            layer.attn.qkv_proj.load_segments([cast(get(attn + n + "_proj.weight")) for n in "qkv"])
+            biases = [get(attn + n + "_proj.bias") for n in "qkv"] if self.cfg.qkv_bias else None
+            layer.attn.qkv_proj.load_segments([cast(get(attn + n + "_proj.weight")) for n in "qkv"], biases)
             layer.attn.o_proj.load_full(cast(get(attn + "o_proj.weight")))
             mlp = p + "mlp."
             layer.mlp.gate_up_proj.load_segments([cast(get(mlp + n + "_proj.weight")) for n in ("gate", "up")])

@@ -149,9 +149,12 @@ class PackableLinear(nn.Module):
 
 
 class ColumnParallelLinear(PackableLinear):
-    """y = x @ W.T where W's rows are split across ranks; `output_sizes` are fused segments (e.g. q, k, v)
-    that are each split into `units` parts (e.g. KV-head groups), so every rank holds the same parts of
-    every segment (`shares[r]` of them for rank r when given, else an even split)."""
+    """y = x @ W.T (+ b) where W's rows are split across ranks; `output_sizes` are fused segments (e.g. q,
+    k, v) that are each split into `units` parts (e.g. KV-head groups), so every rank holds the same parts
+    of every segment (`shares[r]` of them for rank r when given, else an even split). With `bias`, each
+    segment's bias is split with its rows and kept in fp32 whatever the weight becomes (quantized or not)."""
+
+    bias: nn.Parameter | None
 
     def __init__(
         self,
@@ -161,6 +164,7 @@ class ColumnParallelLinear(PackableLinear):
         dtype: torch.dtype | None = None,
         units: int | None = None,
         shares: list[int] | None = None,
+        bias: bool = False,
     ):
         super().__init__()
         self.tp = tp
@@ -168,18 +172,31 @@ class ColumnParallelLinear(PackableLinear):
         self.ranges = [shard_range(s, units, tp, "output segment", shares) for s in output_sizes]
         self.local_sizes = [end - start for start, end in self.ranges]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features, dtype=dtype), requires_grad=False)
+        local = sum(self.local_sizes)
+        self.bias = nn.Parameter(torch.zeros(local, dtype=torch.float32), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local_out]
-        return self.matmul(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, local_out] (fp32 with a bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias  # promotes to fp32: the bias is not rounded
 
     @torch.no_grad()
-    def load_segments(self, full_weights: list[torch.Tensor]) -> None:
-        """Copy this rank's rows of each full (unsharded) segment weight."""
-        shards = []
-        for w, full, (start, end) in zip(full_weights, self.output_sizes, self.ranges, strict=True):
-            assert w.shape[0] == full, (w.shape, full)
+    def load_segments(self, full_weights: list[torch.Tensor], full_biases: list[torch.Tensor] | None = None) -> None:
+        """Copy this rank's rows of each full (unsharded) segment weight, and of each segment's bias when the
+        layer has one (`full_biases` in the same order; required then, refused otherwise)."""
+        if (full_biases is None) != (self.bias is None):
+            raise ValueError("biases must be given exactly when the layer has one")
+        shards, bias_shards = [], []
+        for i, (w, full, (start, end)) in enumerate(zip(full_weights, self.output_sizes, self.ranges, strict=True)):
+            if w.shape[0] != full:
+                raise ValueError(f"segment {i} has {w.shape[0]} rows, the layer takes {full}")
             shards.append(w[start:end])
+            if full_biases is not None:
+                if full_biases[i].shape != (full,):
+                    raise ValueError(f"segment {i}'s bias is {list(full_biases[i].shape)}, the layer takes [{full}]")
+                bias_shards.append(full_biases[i][start:end])
         self.weight.copy_(torch.cat(shards, dim=0))
+        if self.bias is not None:
+            self.bias.copy_(torch.cat(bias_shards).float())
 
     def load_int4_segments(self, full_codes: list[Int4Codes]) -> None:
         """Take this rank's rows of each full segment's int4 codes as the weight, as stored (no rounding)."""

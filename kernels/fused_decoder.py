@@ -3,8 +3,9 @@
 At a few rows (decode tokens, draft trees, short prefill chunks) eager PyTorch spends more time in the
 ~10 small operators around each layer's projections than in the projections. `FusedDecoder` runs every
 layer of a quantized Llama-family model (integer-dot weights, kernels/integer_dot.py) in one OpenMP region:
-norms, int8 activation blocks, projections, RoPE, cache writes, paged attention over the block tables
-and tree ancestors, SwiGLU and residuals, with fp32 activations. It computes the same function as
+norms, int8 activation blocks, projections (with Qwen2's q/k/v biases, fp32, where the model has them),
+RoPE, cache writes, paged attention over the block tables and tree ancestors, SwiGLU and residuals, with
+fp32 activations. It computes the same function as
 `LlamaModel`'s layers over the quantized weights (up to fp32 rounding), and each row the same way
 whatever else is in its batch (`decoder.c`).
 
@@ -53,6 +54,7 @@ class _Layer(ctypes.Structure):
         ("down", _QWeight),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("qkv_bias", _p),
     ]
 
 
@@ -144,6 +146,7 @@ class LayerWeights:
     o_proj: PackableLinear
     gate_up_proj: PackableLinear  # rows: gate, up
     down_proj: PackableLinear
+    qkv_bias: torch.Tensor | None = None  # [q + k + v rows] (Qwen2), None for none
 
 
 def layer_weights(layer) -> LayerWeights:
@@ -156,6 +159,7 @@ def layer_weights(layer) -> LayerWeights:
         attn.o_proj,
         mlp.gate_up_proj,
         mlp.down_proj,
+        attn.qkv_proj.bias,
     )
 
 
@@ -180,7 +184,8 @@ class _Layers:
         ids = [r.cos.data_ptr(), r.sin.data_ptr(), c.k.data_ptr(), c.v.data_ptr()]
         for lw in self.layers:
             ids += (lw.input_norm.data_ptr(), lw.post_attn_norm.data_ptr(), id(lw.qkv_proj.quant),
-                    id(lw.o_proj.quant), id(lw.gate_up_proj.quant), id(lw.down_proj.quant))  # fmt: skip
+                    id(lw.o_proj.quant), id(lw.gate_up_proj.quant), id(lw.down_proj.quant),
+                    0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr())  # fmt: skip
         return ids
 
     def _build(self) -> None:
@@ -211,13 +216,23 @@ class _Layers:
             if any(n.shape != (H,) for n in norms):
                 raise ValueError(f"a norm's weight must be [{H}]")
             held += norms
+            bias = None
+            if lw.qkv_bias is not None:
+                bias = _held(lw.qkv_bias, torch.float32)
+                if bias.shape != ((Hq + 2 * Hk) * D,) or bias.device.type != "cpu":
+                    raise ValueError(f"the qkv bias must be a CPU tensor of [{(Hq + 2 * Hk) * D}], "
+                                     f"not {list(bias.shape)}")  # fmt: skip
+                held += [lw.qkv_bias.detach(), bias]
             weights = [
                 _qweight(lw.qkv_proj, (Hq + 2 * Hk) * D, H, held),
                 _qweight(lw.o_proj, H, Hq * D, held),
                 _qweight(lw.gate_up_proj, 2 * inter, H, held),
                 _qweight(lw.down_proj, H, inter, held),
             ]
-            structs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr()))
+            bias_ptr = None if bias is None else bias.data_ptr()
+            structs.append(
+                _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr(), bias_ptr)
+            )
         self._held = held
         self._layer_structs = (_Layer * len(structs))(*structs)
         self.decoder = _Decoder(

@@ -4,7 +4,7 @@
  * Eager PyTorch spends several microseconds in each of the ~10 small operators of a layer (norms, casts,
  * RoPE, cache writes, attention set-up, SwiGLU); at a few rows that costs as much as the weights. Here a
  * whole forward is one OpenMP region: per layer, RMSNorm -> int8 activation blocks -> fused QKV
- * (integer_dot.h) -> RoPE -> K/V written to their cache slots -> paged attention over the block table and
+ * (integer_dot.h) -> its bias (Qwen2's q/k/v biases, fp32; none for Llama) -> RoPE -> K/V written to their cache slots -> paged attention over the block table and
  * the token's ancestors among the new tokens -> o_proj -> residual -> RMSNorm -> gate/up -> SwiGLU ->
  * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32 or bf16.
  *
@@ -30,6 +30,7 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] fp32 */
     QWeight qkv, o, gate_up, down;       /* qkv rows: q heads, k heads, v heads; gate_up rows: gate, up */
     void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim] fp32 or bf16 */
+    const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim] fp32, or NULL for none */
 } Layer;
 
 typedef struct {
@@ -343,8 +344,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 quantize_rows(h, T, H, &a);
                 project(&layer->qkv, &a, T, wide);
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < T; t++) { /* RoPE on the q and k heads, then K/V to the token's slot */
+                for (int64_t t = 0; t < T; t++) { /* bias, RoPE on the q and k heads, then K/V to the token's slot */
                     float *row = wide + t * qkv_width;
+                    if (layer->qkv_bias)
+                        for (int64_t i = 0; i < qkv_width; i++) row[i] += layer->qkv_bias[i];
                     const float *c = m->cos + b->positions[t] * D, *s = m->sin + b->positions[t] * D;
                     for (int64_t head = 0; head < m->num_heads + m->num_kv_heads; head++) rope(row + head * D, c, s, D);
                     store_row(layer->k_cache, b->slots[t] * kv_width, row + q_width, kv_width, (int)m->cache_bf16);

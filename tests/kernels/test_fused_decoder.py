@@ -24,17 +24,23 @@ needs_vnni = pytest.mark.skipif(not integer_dot.vnni_supported(), reason="no AVX
 BLOCK = 4
 
 
-def tiny_model(seed: int = 0, layout: str | None = None) -> LlamaModel:
+def tiny_model(seed: int = 0, layout: str | None = None, qkv_bias: bool = False) -> LlamaModel:
     """A random bf16 Llama (4 query / 2 KV heads of 16; 5 and 7 groups of 32 in, so the kernels run both
-    their four-group loop and its tail) with int4 attention and int8 MLP weights."""
+    their four-group loop and its tail) with int4 attention and int8 MLP weights (and Qwen2's q/k/v biases
+    with `qkv_bias`)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        vocab_size=96, hidden_size=160, intermediate_size=224, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
-    )
+        vocab_size=96, hidden_size=160, intermediate_size=224, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        qkv_bias=qkv_bias,
+    )  # fmt: skip
     model = LlamaModel(cfg, torch.bfloat16)
-    for p in model.parameters():
-        p.data.normal_(0, 0.15)
+    for name, p in model.named_parameters():
+        if not name.endswith("bias"):
+            p.data.normal_(0, 0.15)
+    biases = torch.Generator().manual_seed(seed + 1)  # its own: every other number is the bias-free model's
     for layer in model.layers:
+        if qkv_bias:
+            layer.attn.qkv_proj.bias.data.normal_(0, 0.15, generator=biases)
         layer.input_norm.weight.data.uniform_(0.5, 1.5)
         layer.post_attn_norm.weight.data.uniform_(0.5, 1.5)
         layer.attn.qkv_proj.quantize("int4")
@@ -75,6 +81,8 @@ def reference_layers(model, x, positions, seqs, kv, slots) -> torch.Tensor:
     x = x.double()
     for i, layer in enumerate(model.layers):
         qkv = linear(rms(x, layer.input_norm.weight), layer.attn.qkv_proj)
+        if layer.attn.qkv_proj.bias is not None:
+            qkv = qkv + layer.attn.qkv_proj.bias.double()
         q = rope(qkv[:, : Hq * D].view(-1, Hq, D))
         k = rope(qkv[:, Hq * D : (Hq + Hk) * D].view(-1, Hk, D))
         v = qkv[:, (Hq + Hk) * D :].view(-1, Hk, D)
@@ -121,9 +129,11 @@ LAYOUTS = ["integer_dot", pytest.param("vnni", marks=needs_vnni)]
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtype, layout):
-    model = tiny_model(layout=layout)
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtype, layout, qkv_bias):
+    model = tiny_model(layout=layout, qkv_bias=qkv_bias)
     assert model.layers[0].attn.qkv_proj.quant.layout == layout
+    assert (model.layers[0].attn.qkv_proj.bias is not None) == qkv_bias
     kv = PagedKVCache(2, 2, 16, 64, BLOCK, cache_dtype, "cpu")
     seqs = ragged_batch(kv)
     meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
