@@ -117,6 +117,14 @@ class DraftTree:
             return self
         return self._select([i for i in range(self.size) if self.depths[i] <= max_depth])
 
+    def subtree(self, kept: list[int]) -> DraftTree:
+        """The tree of the nodes `kept` (ascending, the root first, closed under ancestors), renumbered;
+        scores and draft probabilities follow their nodes."""
+        chosen = set(kept)
+        if not kept or kept[0] != 0 or any(self.parents[i] not in chosen for i in kept[1:]):
+            raise ValueError("a subtree keeps the root and every kept node's parent")
+        return self._select(kept)
+
     def _select(self, kept: list[int]) -> DraftTree:
         """The subtree of the given nodes (ascending, closed under ancestors), renumbered."""
         index = {old: new for new, old in enumerate(kept)}

@@ -29,6 +29,7 @@ from engines.spec_decode.policy import AdaptivePolicy, make_policy
 from engines.spec_decode.profile import profile_engine
 from engines.spec_decode.stats import SpecStats
 from engines.spec_params import SpecParams
+from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.dispatch import set_kernel_mode
@@ -127,6 +128,10 @@ class LLMEngine:
             self.workers.start(spec, config.max_num_seqs, config.kernels)
             self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}
+        # structured outputs: grammars compiled at admission (any thread), once per spec
+        self.structured = StructuredOutputCompiler.for_hf_tokenizer(
+            self.tokenizer.hf, cfg.vocab_size, self.tokenizer.stop_token_ids
+        )
         self.busy_seconds = 0.0
         policy = make_policy(config.spec_policy, config.adaptive)
         self.executor = SpecDecodeExecutor(
@@ -206,6 +211,8 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.stop_token_ids
+        # a spec the grammar library cannot compile fails here, naming its field; nothing else is touched
+        grammar = None if params.structured is None else self.structured.matcher(params.structured)
         seed = params.resolve_seed()  # drawn once: every positional draw of the request uses it
         return Request(
             request_id=request.request_id,
@@ -219,6 +226,7 @@ class LLMEngine:
             arrival_time=arrival,
             spec=spec if spec.enabled and self.executor.drafter is not None else None,
             tpot_target_s=request.tpot_target_s,
+            grammar=grammar,
         )
 
     def add(self, request: Request) -> None:
@@ -334,6 +342,9 @@ class LLMEngine:
                     req.output_text = req.output_text[:hit]
                     reason = FinishReason.STOP
                     break
+            if req.grammar is not None and req.grammar.advance(tok):  # the grammar is complete: nothing may follow
+                reason = FinishReason.STOP
+                break
             if len(req.output_token_ids) >= req.max_tokens:
                 reason = FinishReason.LENGTH
                 break

@@ -8,13 +8,16 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from engines.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from engines.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -90,6 +93,9 @@ class Request:
     num_spec_steps: int = 0  # verification forwards with a draft
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
+    # The grammar its output must follow (params.structured, compiled at admission), advanced with
+    # every emitted token; None for free text.
+    grammar: GrammarState | None = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
     prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
     prompt_logprobs_sent: bool = False

@@ -34,6 +34,7 @@ from engines.spec_decode.policy import SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
+from engines.structured_output import MaskedRows, mask_logits, prune_draft
 from engines.verification import VerifyItem, VerifyResult, verify_batch
 
 
@@ -130,6 +131,7 @@ class SpecDecodeExecutor:
         start = time.perf_counter()
         kept = self.policy.allocate(reqs, plans, trees, other_tokens)
         record.policy_s += time.perf_counter() - start
+        kept = _prune_for_grammar(reqs, kept)
         for b, tree in zip(rows, kept, strict=True):
             if tree is None or not tree.num_draft:
                 continue
@@ -147,6 +149,7 @@ class SpecDecodeExecutor:
         """Sample the plain rows and verify the trees (one host copy between them, which also carries
         the log-probabilities requests asked for), commit accepted paths, and tell the drafter and the
         policy what was verified."""
+        _mask_for_grammar(scheduled, drafts, plan, step)  # before anything reads the logits
         sampling: list[tuple[int, int]] = []  # (index in the step, its logits row)
         drafted: list[int] = []
         hidden_hook = self.drafter is not None and self.drafter.wants_hidden
@@ -359,6 +362,32 @@ class SpecDecodeExecutor:
 def _stochastic_chain(tree: DraftTree, params: SamplingParams) -> bool:
     """Whether `verify_batch` verifies this draft as a stochastic chain (a draft model's sampled draft)."""
     return not params.greedy and tree.draft_probs is not None
+
+
+def _prune_for_grammar(reqs: list[Request], trees: list[DraftTree | None]) -> list[DraftTree | None]:
+    """Each constrained request's tree without the draft tokens its grammar forbids (and their subtrees):
+    the masked target could never accept them."""
+    return [
+        tree if tree is None or req.grammar is None else prune_draft(req.grammar, tree, req.params)
+        for req, tree in zip(reqs, trees, strict=True)
+    ]
+
+
+def _mask_for_grammar(
+    scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], plan: StepPlan, step: StepResult
+) -> None:
+    """Mask in place the logits rows that constrained requests sample or verify (a tree node's row gets
+    the grammar's mask after the path root..node): masks filled on the host, one copy to the device."""
+    rows = MaskedRows()
+    for b, s in enumerate(scheduled):
+        req = s.request
+        if req.grammar is None:
+            continue
+        if drafts[b] is not None:
+            rows.add(req.grammar, drafts[b], plan.logits_start[b])
+        elif req.num_computed_tokens + s.num_new_tokens == req.num_tokens:  # the row it samples from
+            rows.add(req.grammar, None, plan.logits_start[b + 1] - 1)
+    mask_logits(step.logits, rows)
 
 
 def _cap(s: ScheduledRequest) -> SpecParams:
