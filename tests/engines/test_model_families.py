@@ -13,18 +13,25 @@ weights), two tensor-parallel ranks, speculation with every drafter, and a draft
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from engines.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from engines.drafters.eagle_model import EagleDraftModel
+from engines.drafters.lyanna_model import LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import ContextLengthError
 from engines.loader import load_model, resolve_checkpoint
+from engines.parallel import TensorParallel
 from engines.sampling import SamplingParams
-from tests.engines.helpers import forward_one, new_cache
+from kernels import integer_dot
+from tests.engines.helpers import forward_one, new_cache, random_draft_checkpoint
 
 VOCAB = 49152  # the embedded model's tokenizer, which every tiny checkpoint ships with
 MAX_NEW = 16
@@ -242,3 +249,188 @@ def test_qwen2_window_settings_follow_transformers():
     assert sliding_window_of("Qwen2ForCausalLM", base | {"layer_types": ["full_attention"] * 4}) is None
     assert sliding_window_of("MistralForCausalLM", {"sliding_window": None}) is None
     assert sliding_window_of("LlamaForCausalLM", {"sliding_window": 8}) is None
+
+
+# ---- quantized weights: biases stay fp32 -------------------------------------------------------------------
+def dequantized_hf(folder: str, ours) -> torch.nn.Module:
+    """transformers' model on `folder` with every projection and the LM head replaced by our quantized
+    model's dequantized values (an fp32 model keeps exactly those: `PackableLinear.take`)."""
+    hf = hf_model(folder)
+    cfg = ours.cfg
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    with torch.no_grad():
+        for mine, theirs in zip(ours.layers, hf.model.layers, strict=True):
+            attn, mlp = theirs.self_attn, theirs.mlp
+            qkv = mine.attn.qkv_proj.weight.split([q, kv, kv])
+            for proj, w in zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv, strict=True):
+                proj.weight.copy_(w)
+            attn.o_proj.weight.copy_(mine.attn.o_proj.weight)
+            gate, up = mine.mlp.gate_up_proj.weight.chunk(2)
+            mlp.gate_proj.weight.copy_(gate)
+            mlp.up_proj.weight.copy_(up)
+            mlp.down_proj.weight.copy_(mine.mlp.down_proj.weight)
+        hf.lm_head.weight = torch.nn.Parameter(ours.lm_head_exact.clone())  # unties a tied head
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_quantized_weights_match_transformers_over_the_dequantized_weights(families, family, kind):
+    """int8/int4 weights (fp32 model: the quantized values exactly) against transformers over the same values;
+    the biases are not quantized (they equal the checkpoint's)."""
+    loaded = load_model(families[family], dtype="float32", quantization=kind)
+    ours = loaded.model
+    assert loaded.quantization == kind and ours.layers[0].attn.qkv_proj.quant_kind == kind
+    hf = dequantized_hf(families[family], ours)
+    plain = hf_model(families[family])
+    assert not torch.equal(hf.model.layers[0].self_attn.q_proj.weight, plain.model.layers[0].self_attn.q_proj.weight)
+    if family == "qwen2":
+        want_bias = torch.cat([getattr(plain.model.layers[1].self_attn, f"{n}_proj").bias for n in "qkv"])
+        assert torch.equal(ours.layers[1].attn.qkv_proj.bias, want_bias)
+    ids = list(range(1000, 1040))
+    got = prompt_and_steps(ours, ids, [5, 6])
+    with torch.no_grad():
+        want = hf(torch.tensor([[*ids, 5, 6]])).logits[0]
+    assert rel_err(got, want) < 1e-5
+    assert 1e-4 < rel_err(got, plain(torch.tensor([[*ids, 5, 6]])).logits[0].detach()) < 0.2  # quantized, close
+
+
+# ---- the fused CPU decoder -----------------------------------------------------------------------------------
+needs_fused = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
+
+
+@needs_fused
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_fused_decoder_computes_the_eager_layers(families, family):
+    """bf16 int8 weights: the fused CPU decoder (with Qwen2's biases) against the eager layers over the same
+    weights; the biases' effect is far larger than their difference."""
+    model = load_model(families[family], dtype="bfloat16", quantization="int8").model
+    kv = new_cache(model, num_blocks=64, block_size=4, dtype=torch.float32)
+    assert model.fused_decoder(kv, 1) is not None
+    ids, steps = list(range(2000, 2037)), [9, 99]
+    fused = prompt_and_steps(model, ids, steps)
+    model.enforce_eager = True
+    eager = prompt_and_steps(model, ids, steps)
+    assert rel_err(fused, eager) < 2e-2
+    if family == "qwen2":
+        for layer in model.layers:
+            layer.attn.qkv_proj.bias.zero_()
+        assert rel_err(prompt_and_steps(model, ids, steps), eager) > 0.2
+
+
+# ---- speculation: greedy equals plain decoding with every drafter ------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter_checkpoints(families, tmp_path_factory) -> dict[tuple[str, str], str]:
+    """Seeded random Lyanna and EAGLE drafters for each family's target."""
+    out = {}
+    for family in ("qwen2", "mistral"):
+        e = make_engine(families[family])
+        for kind, cls in (("lyanna", LyannaDraftModel), ("eagle", EagleDraftModel)):
+            out[family, kind] = random_draft_checkpoint(cls, e, tmp_path_factory.mktemp(f"{kind}-{family}"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "lyanna", "eagle", "draft-model"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_speculation_is_lossless_on_each_family(families, drafter_checkpoints, family, drafter):
+    want = greedy(make_engine(families[family]))
+    # The draft model: another Qwen2 checkpoint over the same tokenizer.
+    draft = {"ngram": None, "draft-model": families["qwen2-untied"]}.get(drafter)
+    draft = draft or drafter_checkpoints.get((family, drafter))
+    e = make_engine(families[family], drafter=drafter, draft_model=draft)
+    assert greedy(e) == want
+    stats = e.stats()
+    assert stats.spec.num_draft_tokens > 0 and stats.kv_free_blocks == 96
+
+
+@needs_fused
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "lyanna"])
+def test_speculation_is_lossless_on_the_fused_decoder(families, drafter_checkpoints, drafter):
+    """The served CPU configuration for a Qwen2 target: bf16, int4 weights, the fused decoder (and the
+    drafter's fused layer)."""
+    settings = {"dtype": "bfloat16", "quantization": "int4"}
+    plain = make_engine(families["qwen2"], **settings)
+    assert plain.model.fused_decoder(plain.kv_cache, 1) is not None
+    want = greedy(plain)
+    e = make_engine(
+        families["qwen2"], drafter=drafter, draft_model=drafter_checkpoints.get(("qwen2", drafter)), **settings
+    )
+    if drafter == "lyanna":
+        assert e.executor.drafter.fused_layer is not None
+    assert greedy(e) == want
+    assert e.stats().spec.num_accepted_tokens > 0 or drafter == "lyanna"
+
+
+# ---- tensor parallel: two ranks compute the single rank's logits ---------------------------------------------------
+def tp_worker(rank: int, world: int, folders: dict[str, str], out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tp = TensorParallel(world_size=world, rank=rank, group=dist.group.WORLD)
+        for name, folder in folders.items():
+            quant = "int4" if name.endswith("int4") else "none"
+            model = load_model(folder, dtype="float32", tp=tp, quantization=quant).model
+            assert model.attn_kv_heads == 1  # each rank holds one of the 2 KV heads (and its q/k/v biases)
+            logits = prompt_and_steps(model, list(range(500, 531)), [3, 4])
+            torch.save(logits, os.path.join(out_dir, f"{name}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_compute_the_single_rank_logits(families, tmp_path):
+    folders = {"qwen2": families["qwen2"], "qwen2-int4": families["qwen2-untied"], "mistral": families["mistral"]}
+    port = 29500 + (os.getpid() + 500) % 1000
+    mp.spawn(tp_worker, args=(2, folders, str(tmp_path), port), nprocs=2, join=True)
+    for name, folder in folders.items():
+        quant = "int4" if name.endswith("int4") else "none"
+        want = prompt_and_steps(
+            load_model(folder, dtype="float32", quantization=quant).model, list(range(500, 531)), [3, 4]
+        )
+        for rank in range(2):
+            torch.testing.assert_close(torch.load(tmp_path / f"{name}-rank{rank}.pt"), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- a drafter trained by `python -m engines.training` for a Qwen2 target -----------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lyanna", "eagle"])
+def test_training_produces_a_drafter_the_engine_serves_losslessly(families, tmp_path, kind):
+    from engines.training.pipeline import main
+
+    out = tmp_path / "run"
+    final = main([
+        "--kind", kind, "--model", families["qwen2"], "--source", "sharegpt", "--num", "4", "--val-num", "2",
+        "--max-seq", "64", "--draft-vocab", "256", "--batch-seqs", "2", "--eval-every", "2",
+        "--features", "on-the-fly", "--out", str(out),
+    ])  # fmt: skip
+    assert final["step"] >= 1 and final["val_loss"] > 0
+    checkpoint = out / "checkpoint"
+    assert json.loads((checkpoint / "config.json").read_text())["kind"] == kind
+    want = greedy(make_engine(families["qwen2"]))
+    e = make_engine(families["qwen2"], drafter=kind, draft_model=str(checkpoint))
+    assert greedy(e) == want
+    assert e.stats().spec.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_speculates_losslessly_on_qwen2(families):
+    """Rank 0 here, rank 1 a Ray actor: a Qwen2 target split over two ranks, with n-gram speculation, gives
+    the single rank's plain greedy outputs."""
+    import ray
+
+    want = greedy(make_engine(families["qwen2"]))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        e = make_engine(families["qwen2"], tensor_parallel_size=2, drafter="ngram")
+        try:
+            # rank 0's half: 2 query heads, 1 key and 1 value head of 16, and their biases
+            assert e.model.attn_kv_heads == 1 and e.model.layers[0].attn.qkv_proj.bias.shape == (64,)
+            assert greedy(e) == want
+            assert e.stats().spec.num_accepted_tokens > 0
+        finally:
+            e.shutdown()
+    finally:
+        ray.shutdown()
