@@ -32,7 +32,11 @@ def _drafter_checkpoint(config: EngineConfig, kind: str) -> str:
     if config.draft_model is not None:
         return config.draft_model
     if config.model not in (None, "smollm2-135m-instruct"):
-        raise ValueError(f"drafter {kind!r} needs draft_model (a checkpoint trained for this target)")
+        raise ValueError(
+            f"drafter {kind!r} needs draft_model, a checkpoint trained for this target (the shipped one fits the "
+            f"embedded model only): train one with `python -m engines.training --kind {kind} --model "
+            f"{config.model} --out RUN` and set draft_model to RUN/checkpoint, or use drafter 'ngram' or 'none'"
+        )
     return str(SHIPPED[kind])
 
 

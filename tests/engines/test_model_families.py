@@ -394,6 +394,12 @@ def test_two_tensor_parallel_ranks_compute_the_single_rank_logits(families, tmp_
             torch.testing.assert_close(torch.load(tmp_path / f"{name}-rank{rank}.pt"), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_hidden_state_drafter_without_a_checkpoint_for_the_target_says_how_to_get_one(families):
+    for kind in ("lyanna", "eagle"):
+        with pytest.raises(ValueError, match=rf"python -m engines.training --kind {kind} --model .*qwen2"):
+            make_engine(families["qwen2"], drafter=kind)
+
+
 # ---- a drafter trained by `python -m engines.training` for a Qwen2 target -----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lyanna", "eagle"])
