@@ -325,3 +325,22 @@ def test_only_a_complete_output_allows_the_stop_token():
             bits = torch.zeros(1, 1, dtype=torch.int32)
             state.fill(bits, 0)
             assert bool(unpack_bitmask(bits, V)[0, EOS]) == state.matcher.is_completed(), (name, prefix)
+
+
+def test_the_cpu_kernel_and_the_tensor_ops_mask_alike():
+    """mask_logits on fp32 CPU logits (xgrammar's kernel) equals `apply_masks` (the accelerator's path)
+    on the one packed buffer that path copies to the device; rows of no constrained request stay as they were."""
+    from engines.structured_output import apply_masks
+
+    params = GRAMMARS["regex"]
+    rows = MaskedRows()
+    rows.add(state_after(params, (0,)), None, 1)
+    rows.add(state_after(params, ()), DraftTree([2, 0, 2, 1, 3], [-1, 0, 0, 1, 1]), 3)
+    logits = torch.randn(9, V, generator=torch.Generator().manual_seed(0))
+    by_kernel, by_ops = logits.clone(), logits.clone()
+    mask_logits(by_kernel, rows)
+    apply_masks(by_ops, rows.host_masks(V), rows.num_rows)
+    assert torch.equal(by_kernel, by_ops)
+    for r in (0, 2, 8):
+        assert torch.equal(by_kernel[r], logits[r])
+    assert torch.isinf(by_kernel[1]).tolist() == [True, False, False, True]  # after "a": b or c
