@@ -1,7 +1,9 @@
-"""The ingress deployment: FastAPI speaking OpenAI's chat-completions API in front of LLM replicas.
+"""The ingress deployment: FastAPI speaking OpenAI's chat-completions and completions APIs in front of
+LLM replicas.
 
 Every answer that is not a success is OpenAI's error body (`{"error": {message, type, param, code}}`)
-with its HTTP status, and every chat response's status is counted in `lyanna_requests_total`:
+with its HTTP status, and every generation response's status (chat and completions) is counted in
+`lyanna_requests_total`:
 400 for a body that is not JSON or breaks the schema (strict types and OpenAI's ranges), 404 for an
 unknown model or path, 405 for a wrong method, 413 for a body over `max_request_body_bytes`, 415 for a
 body that is not JSON by its content type, 503 when every replica is saturated or the replica serving
@@ -41,15 +43,15 @@ from engines.spec_params import SpecParams
 from policies import live_routers
 from policies.slo import SLOSettings
 from serve_app import tracing
+from serve_app.choices import ChatChoiceState, CompletionChoiceState
 from serve_app.messages import ChatRequest, StreamDelta, StreamError
 from serve_app.metrics import ServeMetrics
-from serve_app.schemas import (
-    AssistantMessage,
+from serve_app.responses import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    Choice,
     ChunkChoice,
+    CompletionChunk,
+    CompletionResponse,
     DeltaMessage,
     ErrorDetail,
     ErrorResponse,
@@ -57,8 +59,8 @@ from serve_app.schemas import (
     ModelList,
     SpeculationStats,
     Usage,
-    error_param,
 )
+from serve_app.schemas import ChatCompletionRequest, CompletionRequest, error_param
 from serve_app.tracing import TracingSettings
 
 # A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
@@ -69,6 +71,8 @@ app = FastAPI(
     summary="OpenAI-compatible chat completions with speculative decoding (Lyanna), on Ray Serve",
 )
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH)
 RETRY_AFTER_S = 1  # seconds a shed client should wait (Retry-After)
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -120,9 +124,9 @@ def _retry_later(message: str, code: str) -> JSONResponse:
 
 
 def _count(request: Request, status: int) -> None:
-    """Count a chat-route answer given outside the handler (wrong method, framework errors)."""
+    """Count a generation-route answer given outside the handler (wrong method, framework errors)."""
     metrics: ServeMetrics | None = getattr(request.app.state, "metrics", None)
-    if metrics is not None and request.url.path.endswith(CHAT_PATH):
+    if metrics is not None and request.url.path.endswith(GENERATION_PATHS):
         metrics.observe_status(status)
 
 
@@ -148,7 +152,8 @@ def _replica_header(first: StreamDelta) -> dict[str, str]:
 
 
 def _usage(item: StreamDelta) -> Usage:
-    """OpenAI's names for the engine's token counts."""
+    """OpenAI's names for the engine's token counts (of `StreamDelta.combined` over the choices: the
+    prompt once, every choice's completion tokens)."""
     return Usage(
         prompt_tokens=item.num_prompt_tokens,
         completion_tokens=item.num_output_tokens,
@@ -166,13 +171,15 @@ def _spec_stats(item: StreamDelta) -> SpeculationStats:
     )
 
 
-def _request_attributes(span: Span, req: ChatCompletionRequest, rid: str) -> None:
+def _request_attributes(span: Span, req: ChatCompletionRequest | CompletionRequest, rid: str) -> None:
     """The request's fields on its ingress span (OpenTelemetry GenAI names where they exist)."""
     span.set_attribute("gen_ai.request.model", req.model)
     span.set_attribute("gen_ai.response.id", rid)
     span.set_attribute("lyanna.stream", bool(req.stream))
+    limit = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
     for key, value in (
-        ("gen_ai.request.max_tokens", req.max_completion_tokens or req.max_tokens),
+        ("gen_ai.request.max_tokens", limit or req.max_tokens),
+        ("gen_ai.request.choice.count", req.n),
         ("gen_ai.request.temperature", req.temperature),
         ("gen_ai.request.top_p", req.top_p),
         ("gen_ai.request.seed", req.seed),
@@ -226,66 +233,122 @@ class _Timing:
         self.metrics = metrics
         self.start = time.perf_counter()
         self.last: float | None = None
-        self.tokens = 0
+        self.tokens: dict[int, int] = {}  # per choice
 
     def delivered(self, item: StreamDelta) -> None:
         """A delta arrived; note the time if it carries new tokens."""
-        if item.num_output_tokens <= self.tokens:
+        if item.num_output_tokens <= self.tokens.get(item.index, 0):
             return
         now = time.perf_counter()
         if self.last is not None:
             self.metrics.observe_itl(now - self.last)
-        self.last, self.tokens = now, item.num_output_tokens
+        self.last, self.tokens[item.index] = now, item.num_output_tokens
+
+
+# The generation routes read their raw body themselves (to control limits and errors); the OpenAPI
+# document spells out their bodies from the pydantic models: (request, response, stream chunk).
+ROUTE_MODELS: dict[str, tuple[type[BaseModel], type[BaseModel], type[BaseModel]]] = {
+    CHAT_PATH: (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+    COMPLETIONS_PATH: (CompletionRequest, CompletionResponse, CompletionChunk),
+}
 
 
 def chat_openapi(model_name: str) -> dict[str, Any]:
-    """The OpenAPI document, with the chat route's request body, responses and errors spelled out
-    from the pydantic models (the handler reads the raw body itself to control limits and errors)."""
+    """The OpenAPI document, with the generation routes' request bodies, responses and errors spelled
+    out from the pydantic models."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     ref = "#/components/schemas/{model}"
-    for model, mode in (
-        (ChatCompletionRequest, "validation"),
-        (ChatCompletionResponse, "serialization"),
-        (ChatCompletionChunk, "serialization"),
-        (ErrorResponse, "serialization"),
-    ):
+    models = [
+        (m, "validation" if i == 0 else "serialization") for ms in ROUTE_MODELS.values() for i, m in enumerate(ms)
+    ]
+    for model, mode in [*models, (ErrorResponse, "serialization")]:
         schema = model.model_json_schema(ref_template=ref, mode=mode)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    schemas["ChatCompletionRequest"]["properties"]["model"]["enum"] = [model_name]
 
     def error(description: str) -> dict[str, Any]:
         content = {"application/json": {"schema": {"$ref": ref.format(model="ErrorResponse")}}}
         return {"description": description, "content": content}
 
-    chat = doc["paths"][CHAT_PATH]["post"]
-    chat.pop("x-lyanna-chat", None)
-    chat["requestBody"] = {
-        "required": True,
-        "content": {"application/json": {"schema": {"$ref": ref.format(model="ChatCompletionRequest")}}},
-    }
-    chat["responses"] = {
-        "200": {
-            "description": "The completion (JSON), or with `stream: true` server-sent events: `data:` lines "
-            "each holding a ChatCompletionChunk (or, if the replica fails mid-stream, an ErrorResponse), "
-            "then `data: [DONE]`",
-            "content": {
-                "application/json": {"schema": {"$ref": ref.format(model="ChatCompletionResponse")}},
-                "text/event-stream": {"schema": {"type": "string"}},
+    for path, (request_model, response_model, chunk_model) in ROUTE_MODELS.items():
+        schemas[request_model.__name__]["properties"]["model"]["enum"] = [model_name]
+        route = doc["paths"][path]["post"]
+        route.pop("x-lyanna-generation", None)
+        route["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": ref.format(model=request_model.__name__)}}},
+        }
+        route["responses"] = {
+            "200": {
+                "description": f"The completion (JSON), or with `stream: true` server-sent events: `data:` lines "
+                f"each holding a {chunk_model.__name__} (or, if the replica fails mid-stream, an ErrorResponse), "
+                "then `data: [DONE]`",
+                "content": {
+                    "application/json": {"schema": {"$ref": ref.format(model=response_model.__name__)}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
             },
-        },
-        "400": error("Not JSON, or the body breaks the schema or the model's limits"),
-        "404": error("Unknown model"),
-        "413": error("The body is larger than max_request_body_bytes"),
-        "415": error("The body is not JSON"),
-        "500": error("Internal error"),
-        "503": error("Every replica is saturated, or the replica serving the request failed; see Retry-After"),
-    }
+            "400": error("Not JSON, or the body breaks the schema or the model's limits"),
+            "404": error("Unknown model"),
+            "413": error("The body is larger than max_request_body_bytes"),
+            "415": error("The body is not JSON"),
+            "500": error("Internal error"),
+            "503": error("Every replica is saturated, or the replica serving the request failed; see Retry-After"),
+        }
     app.openapi_schema = doc
     return doc
+
+
+class _Choices:
+    """A request's choices as its deltas arrive (any order between choices): each choice's state
+    (serve_app/choices.py), its last delta, and the response or stream chunks in the route's format."""
+
+    def __init__(self, req: ChatCompletionRequest | CompletionRequest):
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.n = req.num_choices
+        self.states: list[ChatChoiceState] | list[CompletionChoiceState]
+        if isinstance(req, ChatCompletionRequest):
+            names = {t.function.name for t in req.tools or []} if req.tools_active else None
+            self.states = [ChatChoiceState(i, names, bool(req.logprobs)) for i in range(self.n)]
+        else:
+            self.states = [CompletionChoiceState(i, bool(req.echo), req.logprobs is not None) for i in range(self.n)]
+        self.lasts: dict[int, StreamDelta] = {}
+
+    def push(self, item: StreamDelta) -> list[Any]:
+        """Take a delta; return its stream updates (chat ChunkChoices or CompletionChoices)."""
+        self.lasts[item.index] = item
+        update = self.states[item.index].push(item)
+        return update if isinstance(update, list) else [] if update is None else [update]
+
+    @property
+    def finished(self) -> bool:
+        """Whether every choice has had its last delta."""
+        return len(self.lasts) == self.n and all(d.finished for d in self.lasts.values())
+
+    def outcome(self) -> StreamDelta:
+        """The request's counters over its choices (usage, metrics, logs)."""
+        return StreamDelta.combined([self.lasts[i] for i in sorted(self.lasts)])
+
+    def chunk(self, rid: str, created: int, model: str, updates: list[Any], usage: Usage | None) -> str:
+        """One stream event's JSON (chat chunks leave out what is null, as OpenAI's do)."""
+        if self.chat:
+            return ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=updates, usage=usage
+            ).model_dump_json(exclude_none=True)
+        return CompletionChunk(id=rid, created=created, model=model, choices=updates, usage=usage).model_dump_json()
+
+    def response(
+        self, rid: str, model: str, usage: Usage, spec: SpeculationStats
+    ) -> ChatCompletionResponse | CompletionResponse:
+        """The whole response (after every choice's last delta)."""
+        if self.chat:
+            chat_choices = [s.choice() for s in self.states if isinstance(s, ChatChoiceState)]
+            return ChatCompletionResponse(id=rid, model=model, choices=chat_choices, usage=usage, speculation=spec)
+        text_choices = [s.choice() for s in self.states if isinstance(s, CompletionChoiceState)]
+        return CompletionResponse(id=rid, model=model, choices=text_choices, usage=usage, speculation=spec)
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -397,19 +460,29 @@ class Ingress:
         """The served model."""
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
-    @app.post(CHAT_PATH, openapi_extra={"x-lyanna-chat": True})
+    @app.post(CHAT_PATH, openapi_extra={"x-lyanna-generation": True})
     async def chat_completions(self, request: Request):
         """OpenAI chat completions, streaming (SSE) or not."""
-        span = self.tracer.start_span(f"chat {self.model_name}", kind=SpanKind.SERVER)
-        span.set_attribute("gen_ai.operation.name", "chat")
+        return await self._serve(request, ChatCompletionRequest)
+
+    @app.post(COMPLETIONS_PATH, openapi_extra={"x-lyanna-generation": True})
+    async def completions(self, request: Request):
+        """OpenAI (legacy) text completions, streaming (SSE) or not."""
+        return await self._serve(request, CompletionRequest)
+
+    async def _serve(self, request: Request, kind: type[ChatCompletionRequest | CompletionRequest]):
+        """One generation request, counted and traced whatever its outcome."""
+        operation = "chat" if kind is ChatCompletionRequest else "text_completion"
+        span = self.tracer.start_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER)
+        span.set_attribute("gen_ai.operation.name", operation)
         timing = _Timing(self.metrics)
         try:
-            response = await self._chat(request, timing, span)
+            response = await self._generate(request, kind, timing, span)
         except asyncio.CancelledError:
             span.end()
             raise
         except Exception as e:  # a fault of ours: still OpenAI's body, still counted
-            log.exception("chat completion failed")
+            log.exception("%s failed", operation)
             span.record_exception(e)
             response = error_response(500, f"internal error: {type(e).__name__}", code="internal_error")
         self.metrics.observe_status(response.status_code)
@@ -444,12 +517,14 @@ class Ingress:
             return error_response(499, "the client closed the connection while sending the body")
         return bytes(body)
 
-    async def _chat(self, request: Request, timing: _Timing, span: Span):
+    async def _generate(
+        self, request: Request, kind: type[ChatCompletionRequest | CompletionRequest], timing: _Timing, span: Span
+    ):
         raw = await self._read_body(request)
         if isinstance(raw, JSONResponse):
             return raw
         try:
-            req = ChatCompletionRequest.model_validate_json(raw)
+            req = kind.model_validate_json(raw)
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             if first["type"] == "json_invalid":
@@ -461,7 +536,7 @@ class Ingress:
             return error_response(
                 404, f"model {req.model!r} does not exist; serving {self.model_name!r}", "model", "model_not_found"
             )
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}" if kind is ChatCompletionRequest else f"cmpl-{uuid.uuid4().hex}"
         try:
             chat = req.chat_request(rid, self.slo, self.spec_default, self.spec_policy)
         except InvalidRequestError as e:
@@ -479,38 +554,37 @@ class Ingress:
             stream.cancel()
             return error_response(first.status, first.message, first.param, first.code, kind=first.type)
         timing.delivered(first)
+        choices = _Choices(req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._sse(chat, first, stream, include_usage, timing, span, req.user)
+            events = self._sse(chat, choices, first, stream, include_usage, timing, span, req.user)
             # Started here, so its clean-up (cancel the replica call, end the span) runs even if the
             # client leaves before starlette iterates it.
-            role_chunk = await anext(events)
-            body = _started(role_chunk, events)
+            first_event = await anext(events)
+            body = _started(first_event, events)
             return StreamingResponse(body, media_type="text/event-stream", headers=_replica_header(first))
-        text, last = first.new_text, first
+        item = first
         try:
-            while not last.finished:
-                last = await anext(stream)
-                timing.delivered(last)
-                text += last.new_text
+            while True:
+                choices.push(item)
+                if choices.finished:
+                    break
+                item = await anext(stream)
+                timing.delivered(item)
         except Exception as e:  # the replica died mid-request
             stream.cancel()
             log.warning("replica failed mid-request: %r", e, extra={"chat_id": rid})
             return _failed(e, "mid-request")
+        last = choices.outcome()
         self._finished(span, chat, last, timing, stream=False, user=req.user)
-        body = ChatCompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=[Choice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
-            usage=_usage(last),
-            speculation=_spec_stats(last),
-        )
+        body = choices.response(rid, self.model_name, _usage(last), _spec_stats(last))
         return JSONResponse(body.model_dump(), headers=_replica_header(first))
 
     def _finished(
         self, span: Span, chat: ChatRequest, last: StreamDelta, timing: _Timing, stream: bool, user: str | None
     ) -> None:
-        """Record a completed request: metrics (SLO attainment included), span attributes, one log line."""
+        """Record a completed request (its choices' outcome, `StreamDelta.combined`): metrics (SLO
+        attainment included), span attributes, one log line."""
         e2e = time.perf_counter() - timing.start
         met = self.metrics.observe_finished(last, e2e, chat.slo)
         counters = last.counters()
@@ -530,6 +604,7 @@ class Ingress:
     async def _sse(
         self,
         chat: ChatRequest,
+        choices: _Choices,
         first: StreamDelta,
         stream,
         include_usage: bool,
@@ -540,20 +615,21 @@ class Ingress:
         rid = chat.request_id
         created = int(time.time())
 
-        def event(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
-            chunk = ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
-            return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        def event(updates: list[Any], usage: Usage | None = None) -> str:
+            return f"data: {choices.chunk(rid, created, self.model_name, updates, usage)}\n\n"
 
         item, completed, failed = first, False, False
         try:
-            yield event([ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+            if choices.chat:  # OpenAI's first chunk of each choice: its role
+                yield event(
+                    [ChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(chat.n)]
+                )
             while True:
-                if item.new_text:
-                    yield event([ChunkChoice(delta=DeltaMessage(content=item.new_text))])
-                if item.finished:
-                    yield event([ChunkChoice(delta=DeltaMessage(), finish_reason=item.finish_reason)])
+                for update in choices.push(item):  # one choice's update per event, as OpenAI sends them
+                    yield event([update])
+                if choices.finished:
                     if include_usage:
-                        yield event([], _usage(item))
+                        yield event([], _usage(choices.outcome()))
                     break
                 try:
                     item = await anext(stream)
@@ -566,7 +642,7 @@ class Ingress:
                     yield "data: [DONE]\n\n"
                     return
                 timing.delivered(item)
-            self._finished(span, chat, item, timing, stream=True, user=user)
+            self._finished(span, chat, choices.outcome(), timing, stream=True, user=user)
             completed = True
             yield "data: [DONE]\n\n"
         finally:

@@ -1,7 +1,9 @@
 """The typed messages between the ingress and the LLM replicas (through a DeploymentHandle).
 
-The ingress validates an HTTP request once and sends a `ChatRequest`; the replica hands its
-`GenerationRequest` to the engine as it is. The replica streams back `StreamDelta`s, or a single
+The ingress validates an HTTP request (chat or text completion) once and sends a `ChatRequest`; the
+replica hands its `GenerationRequest` to the engine as it is, or, for `n` > 1 choices, the `n`
+requests `generations()` fans it out to. The replica streams back `StreamDelta`s (each naming its
+choice by `index`, with its tokens' log-probabilities as `LogprobEntry`s when asked), or a single
 `StreamError` when the engine refuses the request (what only the engine can check, such as the
 prompt's length in tokens). Counters keep the engine's names (`RequestOutput`) in the stream, the logs
 and the span attributes; only the edges whose names are contracts rename them: OpenAI's `usage` and
@@ -10,19 +12,49 @@ and the span attributes; only the edges whose names are contracts rename them: O
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engines.errors import InvalidRequestError
 from engines.request import FinishReason, GenerationRequest, RequestOutput
 from policies.slo import SLOTarget, latencies
 
+INT64_MIN = -(2**63)
+
+
+def seed_of_choice(seed: int | None, index: int) -> int | None:
+    """The seed choice `index` of a request with `n` > 1 samples with: `seed + index`, wrapped to 64 bits
+    (None stays None: every choice draws its own seed)."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A validated chat request: what the engine generates, and the SLO target it is measured against."""
+    """A validated chat or text-completion request: what the engine generates, and the SLO target it is
+    measured against. `n` choices are generated (`generations`); `echo` (completions) asks the replica
+    for the prompt's text (and its tokens' log-probabilities when the request asked for any)."""
 
     generation: GenerationRequest
     slo: SLOTarget = field(default_factory=SLOTarget)
+    n: int = 1
+    echo: bool = False
+
+    def generations(self) -> list[GenerationRequest]:
+        """The engine requests of the `n` choices: the request itself for one choice; else choice i is
+        `<id>-<i>`, sampling with `seed + i` when the request has a seed."""
+        if self.n == 1:
+            return [self.generation]
+        g = self.generation
+        return [
+            dataclasses.replace(
+                g,
+                request_id=f"{g.request_id}-{i}",
+                params=dataclasses.replace(g.params, seed=seed_of_choice(g.params.seed, i)),
+            )
+            for i in range(self.n)
+        ]
 
     @property
     def request_id(self) -> str:
@@ -35,9 +67,27 @@ class ChatRequest:
         return self.generation.messages
 
     @property
+    def prompt(self) -> str | None:
+        """A text completion's prompt (None for chat)."""
+        return self.generation.prompt
+
+    @property
     def slo_class(self) -> str | None:
         """The request's SLO class (the request router sends tight classes to the least-loaded replica)."""
         return self.slo.slo_class
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    """A token as clients see it (its text and bytes) with its log-probability, and the most likely
+    tokens at its position (`top`, most likely first). `logprob` is None only for a prompt's first
+    token, which nothing predicts."""
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float | None
+    top: tuple[LogprobEntry, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +110,23 @@ class StreamDelta:
     first_token_time: float | None
     finish_time: float | None  # set on the last delta
     replica: str | None = None  # the first delta names the replica serving the request
+    index: int = 0  # the choice (of n) this delta belongs to
+    logprobs: tuple[LogprobEntry, ...] | None = None  # the new tokens', when the request asked
+    prompt_text: str | None = None  # echo: the prompt, on a choice's first delta
+    prompt_logprobs: tuple[LogprobEntry, ...] | None = None  # echo with logprobs: the prompt's tokens
 
     @classmethod
-    def of(cls, out: RequestOutput, replica: str | None = None) -> StreamDelta:
-        """The stream item of an engine delta."""
+    def of(
+        cls,
+        out: RequestOutput,
+        replica: str | None = None,
+        index: int = 0,
+        logprobs: tuple[LogprobEntry, ...] | None = None,
+        prompt_text: str | None = None,
+        prompt_logprobs: tuple[LogprobEntry, ...] | None = None,
+    ) -> StreamDelta:
+        """The stream item of an engine delta (`logprobs` and the prompt's are the replica's text form
+        of the delta's)."""
         return cls(
             new_text=out.new_text,
             finish_reason=out.finish_reason,
@@ -80,6 +143,42 @@ class StreamDelta:
             first_token_time=out.first_token_time,
             finish_time=out.finish_time,
             replica=replica,
+            index=index,
+            logprobs=logprobs,
+            prompt_text=prompt_text,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    @classmethod
+    def combined(cls, lasts: list[StreamDelta]) -> StreamDelta:
+        """The request's outcome over its choices' last deltas (metrics, logs, spans): the prompt once,
+        output tokens and speculation counters summed, the first token's time the earliest, the finish
+        the latest (the finish reason is the first choice's)."""
+        if len(lasts) == 1:
+            return lasts[0]
+        first = lasts[0]
+        spec_steps = sum(d.num_spec_steps for d in lasts)
+        accepted = sum(d.num_accepted_tokens for d in lasts)
+        token_times = [d.first_token_time for d in lasts if d.first_token_time is not None]
+        scheduled = [d.first_scheduled_time for d in lasts if d.first_scheduled_time is not None]
+        finishes = [d.finish_time for d in lasts]
+        return dataclasses.replace(
+            first,
+            new_text="",
+            num_output_tokens=sum(d.num_output_tokens for d in lasts),
+            num_forwards=max(d.num_forwards for d in lasts),
+            num_spec_steps=spec_steps,
+            num_draft_tokens=sum(d.num_draft_tokens for d in lasts),
+            num_accepted_tokens=accepted,
+            tokens_per_step=(accepted + spec_steps) / spec_steps if spec_steps else 1.0,
+            num_preemptions=sum(d.num_preemptions for d in lasts),
+            arrival_time=min(d.arrival_time for d in lasts),
+            first_scheduled_time=min(scheduled) if scheduled else None,
+            first_token_time=min(token_times) if token_times else None,
+            finish_time=None if None in finishes else max(f for f in finishes if f is not None),
+            logprobs=None,
+            prompt_text=None,
+            prompt_logprobs=None,
         )
 
     @property

@@ -12,6 +12,8 @@ to the autoscaler (`record_autoscaling_stats`); see policies/routing.py and poli
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,10 +29,11 @@ from ray.serve.exceptions import RayServeException
 from engines.async_engine import AsyncEngine
 from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
-from engines.request import RequestOutput
+from engines.request import FinishReason, RequestOutput, TokenLogprob
+from engines.tokenizer import Tokenizer
 from policies.slo import SLOTracker
 from serve_app import tracing
-from serve_app.messages import ChatRequest, StreamDelta, StreamError, StreamItem
+from serve_app.messages import ChatRequest, LogprobEntry, StreamDelta, StreamError, StreamItem
 from serve_app.tracing import TracingSettings
 
 # A child of Ray Serve's logger: with `logging_config.encoding: JSON` its lines carry Serve's request_id
@@ -64,6 +67,36 @@ def _replica_id() -> str:
         return "local"
 
 
+def entry(tokenizer: Tokenizer, lp: TokenLogprob) -> LogprobEntry:
+    """A token's log-probability with its text and bytes (and its position's most likely tokens)."""
+
+    def one(token_id: int, logprob: float | None) -> LogprobEntry:
+        raw = tokenizer.token_bytes(token_id)
+        return LogprobEntry(token_id, raw.decode(errors="replace"), raw, logprob)
+
+    top = tuple(one(t, p) for t, p in lp.top)
+    return dataclasses.replace(one(lp.token_id, lp.logprob), top=top)
+
+
+def logprob_entries(tokenizer: Tokenizer, items: list[TokenLogprob]) -> tuple[LogprobEntry, ...]:
+    """The engine's log-probabilities as clients see tokens."""
+    return tuple(entry(tokenizer, lp) for lp in items)
+
+
+def prompt_entries(tokenizer: Tokenizer, ids: list[int], scored: list[TokenLogprob | None]) -> tuple[LogprobEntry, ...]:
+    """A prompt's tokens with their log-probabilities (`scored`, aligned with `ids`, from the engine's
+    first delta); the first token, which nothing predicts, has none."""
+    out = []
+    for k, token_id in enumerate(ids):
+        lp = scored[k] if 0 < k < len(scored) else None
+        if lp is None:
+            raw = tokenizer.token_bytes(token_id)
+            out.append(LogprobEntry(token_id, raw.decode(errors="replace"), raw, None))
+        else:
+            out.append(entry(tokenizer, lp))
+    return tuple(out)
+
+
 def _ms(begin: float | None, end: float | None) -> float | None:
     return None if begin is None or end is None else round((end - begin) * 1e3, 3)
 
@@ -95,9 +128,13 @@ class LLMReplica:
     async def generate(
         self, request: ChatRequest, trace_context: dict[str, str] | None = None
     ) -> AsyncIterator[StreamItem]:
-        """The deltas of one chat completion (the first names the replica), or one `StreamError` when
-        the engine refuses the request. `request` was validated by the ingress and goes to the engine
-        as it is; any other object is a caller's bug: TypeError, before anything is queued.
+        """The deltas of one chat or text completion (the first names the replica), or one `StreamError`
+        when the engine refuses the request. `request` was validated by the ingress and goes to the
+        engine as it is; any other object is a caller's bug: TypeError, before anything is queued.
+
+        With `n` > 1 the request fans out into `n` engine requests (`ChatRequest.generations`), admitted
+        together so they share the prompt's KV blocks; their deltas interleave, each naming its choice
+        (`index`). Closing the stream aborts every choice still running.
 
         `trace_context` is the ingress span's W3C carrier; this request's spans become its children.
         """
@@ -108,25 +145,71 @@ class LLMReplica:
             )
         start = time.monotonic()
         span = self.tracer.start_span("generate", context=tracing.extract(trace_context))
-        last: RequestOutput | None = None
+        lasts: dict[int, StreamDelta] = {}
         error: str | None = None
+        streams = [self.async_engine.generate(g) for g in request.generations()]
+        # choice i's next delta is pending[future] == i; the first ones are awaited together
+        pending: dict[asyncio.Future[RequestOutput], int] = {
+            asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)
+        }
         try:
-            try:
-                stream = self.async_engine.generate(request.generation)
-                last = await anext(stream)
-            except InvalidRequestError as e:  # what only the engine checks: the prompt's length in tokens
-                error = e.message
-                yield StreamError.of(e)
+            await asyncio.wait(pending)
+            firsts = [(i, f.exception()) for f, i in pending.items()]
+            refused = next((e for _, e in firsts if isinstance(e, InvalidRequestError)), None)
+            if refused is not None:  # what only the engine checks: the prompt's length in tokens, a grammar
+                error = refused.message
+                yield StreamError.of(refused)
                 return
-            yield StreamDelta.of(last, replica=self.replica_id)
-            while not last.finished:
-                last = await anext(stream)
-                yield StreamDelta.of(last)
+            ready, pending = sorted((i, f.result()) for f, i in pending.items()), {}
+            for i, out in ready:
+                lasts[i] = self._delta(request, i, out, first=True, replica=self.replica_id if i == 0 else None)
+                yield lasts[i]
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    i = pending.pop(future)
+                    out = future.result()
+                    lasts[i] = self._delta(request, i, out)
+                    yield lasts[i]
+                    if not out.finished:
+                        pending[asyncio.ensure_future(anext(streams[i]))] = i
         finally:
+            for future in pending:
+                future.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()  # a choice still running is aborted and frees its blocks
+            last = StreamDelta.combined([lasts[i] for i in sorted(lasts)]) if len(lasts) == request.n else None
             self._record(span, request, start, last, error)
 
+    def _delta(
+        self, request: ChatRequest, index: int, out: RequestOutput, first: bool = False, replica: str | None = None
+    ) -> StreamDelta:
+        """The stream item of choice `index`'s engine delta: log-probabilities as token text, and on the
+        first delta of an echoed completion the prompt's text (and tokens' log-probabilities)."""
+        tokenizer = self.engine.tokenizer
+        logprobs = None
+        if out.logprobs is not None:
+            items = out.logprobs
+            # the token that ended the turn has no text: it is not listed (usage still counts it)
+            if items and out.finish_reason is FinishReason.STOP and out.new_token_ids[-1] in tokenizer.stop_token_ids:
+                items = items[:-1]
+            logprobs = logprob_entries(tokenizer, items)
+        prompt_text = prompt_logprobs = None
+        if first and request.echo:
+            gen = request.generation
+            ids = gen.prompt_token_ids if gen.prompt is None else tokenizer.encode_prompt(gen.prompt)
+            prompt_text = gen.prompt if gen.prompt is not None else tokenizer.decode(ids or [])
+            if gen.params.prompt_logprobs is not None:
+                prompt_logprobs = prompt_entries(tokenizer, ids or [], out.prompt_logprobs or [])
+        return StreamDelta.of(
+            out, replica, index, logprobs=logprobs, prompt_text=prompt_text, prompt_logprobs=prompt_logprobs
+        )
+
     def _record(
-        self, span: Span, request: ChatRequest, start: float, last: RequestOutput | None, error: str | None
+        self, span: Span, request: ChatRequest, start: float, last: StreamDelta | None, error: str | None
     ) -> None:
         """End the request's span with its queue/prefill/decode children; log one line for it; count
         a finished request with targets toward SLO attainment."""
@@ -135,7 +218,7 @@ class LLMReplica:
             span.end()
             log.info("request rejected: %s", error, extra={"chat_id": request.request_id})
             return
-        item = None if last is None else StreamDelta.of(last)
+        item = last
         end = time.monotonic() if item is None or item.finish_time is None else item.finish_time
         ctx = trace.set_span_in_context(span)
         epoch_ns = tracing.epoch_clock()

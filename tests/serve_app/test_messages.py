@@ -77,7 +77,7 @@ def test_the_replica_tracker_and_the_ingress_metrics_decide_alike(target, first_
     replica.tracer = tracing.make_tracer(TracingSettings(), "test")
     replica.slo_tracker = SLOTracker(window_s=1e9)
     chat = ChatRequest(GenerationRequest(request_id="chatcmpl-1"), target)
-    replica._record(replica.tracer.start_span("generate"), chat, time.monotonic(), out, None)
+    replica._record(replica.tracer.start_span("generate"), chat, time.monotonic(), StreamDelta.of(out), None)
     metrics = ServeMetrics("m", "none")
     assert metrics.observe_finished(StreamDelta.of(out), e2e_s=2.0, target=target) is met
     counted = metrics.registry.get_sample_value(

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from engines.errors import InvalidRequestError
 from engines.spec_params import SpecParams
 from policies.slo import SLOSettings, SLOTarget
-from serve_app.schemas import ChatCompletionChunk, ChatCompletionRequest, ErrorResponse, error_param
+from serve_app.responses import ChatCompletionChunk, ErrorResponse
+from serve_app.schemas import ChatCompletionRequest, error_param
 
 BASE = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -85,7 +86,7 @@ def test_a_valid_body_becomes_one_typed_request():
         BASE | {"logprobs_please": True},  # unknown field
         BASE | {"speculation": {"depth": "deep"}},
         BASE | {"slo": {"tpot_ms": -5}},
-        BASE | {"n": 3},
+        BASE | {"n": 17},
         BASE | {"temperature": -1},
         BASE | {"temperature": 2.01},
         BASE | {"top_p": 0},
@@ -98,7 +99,9 @@ def test_a_valid_body_becomes_one_typed_request():
         BASE | {"stream_options": {"include_usage": True}},  # without stream
         BASE | {"presence_penalty": 0.5},
         BASE | {"logit_bias": {"42": 1.0}},
-        BASE | {"response_format": {"type": "json_object"}},
+        BASE | {"response_format": {"type": "xml"}},
+        BASE | {"top_logprobs": 2},  # without logprobs
+        BASE | {"tool_choice": "auto"},  # without tools
         BASE | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     ],
 )
@@ -151,7 +154,9 @@ def test_current_client_fields_are_accepted_at_neutral_values_and_developer_is_s
         ({"speculation": {"width": 65}}, "speculation.width"),
         ({"speculation": {"budget": True}}, "speculation.budget"),
         ({"stop": ""}, "stop"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format.json_schema.name"),
     ],
 )
 def test_impossible_values_are_rejected_by_the_schema_naming_their_field(extra, param):
