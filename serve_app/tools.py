@@ -40,6 +40,7 @@ number ::= integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
 boolean ::= "true" | "false"
 null ::= "null"
 """
+MAX_DEPTH = 16  # schema nesting followed; deeper values may be any JSON value
 _TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean", "null": "null"}
 
 
@@ -66,53 +67,57 @@ class _Rules:
         self.rules[name] = body
         return name
 
-    def expr(self, schema: Any, hint: str) -> str:
-        """A GBNF expression for values valid against `schema` (a subset of JSON Schema; see the module)."""
-        if not isinstance(schema, dict) or not schema:
+    def expr(self, schema: Any, hint: str, depth: int = 0) -> str:
+        """A GBNF expression for values valid against `schema` (a subset of JSON Schema; see the module).
+        What it does not understand, and nesting deeper than `MAX_DEPTH`, allows any JSON value."""
+        if not isinstance(schema, dict) or not schema or depth > MAX_DEPTH:
             return "value"
-        if "$ref" in schema:
-            return self.ref(schema["$ref"])
+        depth += 1
+        if isinstance(schema.get("$ref"), str):
+            return self.ref(schema["$ref"], depth)
         if "const" in schema:
             return literal(json.dumps(schema["const"], ensure_ascii=False))
-        if "enum" in schema:
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
             return "( " + " | ".join(literal(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]) + " )"
         for key in ("anyOf", "oneOf"):
             if isinstance(schema.get(key), list) and schema[key]:
-                return "( " + " | ".join(self.expr(s, hint) for s in schema[key]) + " )"
+                return "( " + " | ".join(self.expr(s, hint, depth) for s in schema[key]) + " )"
         if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
-            return self.expr(schema["allOf"][0], hint)
+            return self.expr(schema["allOf"][0], hint, depth)
         kind = schema.get("type")
-        if isinstance(kind, list):
-            return "( " + " | ".join(self.expr(schema | {"type": k}, hint) for k in kind) + " )"
-        if kind == "object" or (kind is None and "properties" in schema):
-            return self.object(schema, hint)
+        if isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind):
+            return "( " + " | ".join(self.expr(schema | {"type": k}, hint, depth) for k in kind) + " )"
+        if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
+            return self.object(schema, hint, depth)
         if kind == "array":
-            return self.array(schema, hint)
+            return self.array(schema, hint, depth)
         return _TYPES.get(kind, "value") if isinstance(kind, str) else "value"
 
-    def ref(self, ref: Any) -> str:
+    def ref(self, ref: str, depth: int) -> str:
         if ref in self.refs:
             return self.refs[ref]
         target: Any = None
-        if isinstance(ref, str) and ref.startswith("#/"):
+        if ref.startswith("#/"):
             target = self.root
             for part in ref[2:].split("/"):
                 target = target.get(part) if isinstance(target, dict) else None
         if not isinstance(target, dict):
             return "value"  # not a local reference: any JSON value
         name = self.refs[ref] = self.add(ref.rsplit("/", 1)[-1], "value")  # placeholder: recursion
-        self.rules[name] = self.expr(target, name)
+        self.rules[name] = self.expr(target, name, depth)
         return name
 
-    def object(self, schema: dict[str, Any], hint: str) -> str:
+    def object(self, schema: dict[str, Any], hint: str, depth: int) -> str:
         props = schema.get("properties")
         if not isinstance(props, dict) or not props:
             return "object"
-        required = [k for k in props if k in (schema.get("required") or [])]
+        needed = schema.get("required")
+        required = [k for k in props if isinstance(needed, list) and k in needed]
         optional = [k for k in props if k not in required]
 
         def member(key: str) -> str:
-            return f'{literal(json.dumps(key, ensure_ascii=False))} ws ":" ws {self.expr(props[key], f"{hint}-{key}")}'
+            value = self.expr(props[key], f"{hint}-{key}", depth)
+            return f'{literal(json.dumps(key, ensure_ascii=False))} ws ":" ws {value}'
 
         sep = ' ws "," ws '
         if required:
@@ -125,9 +130,10 @@ class _Rules:
             body = "( " + " | ".join(alternatives) + " )?"
         return self.add(hint, f'"{{" ws {body} ws "}}"')
 
-    def array(self, schema: dict[str, Any], hint: str) -> str:
-        item = self.expr(schema.get("items"), f"{hint}-item")
-        at_least = min(int(schema.get("minItems") or 0), 16)
+    def array(self, schema: dict[str, Any], hint: str, depth: int) -> str:
+        item = self.expr(schema.get("items"), f"{hint}-item", depth)
+        min_items = schema.get("minItems")
+        at_least = min(min_items, 16) if isinstance(min_items, int) and min_items > 0 else 0
         if at_least == 0:
             body = f'"[" ws ( {item} ( ws "," ws {item} )* )? ws "]"'
         else:

@@ -258,6 +258,25 @@ def test_the_schema_grammar_covers_nesting_arrays_refs_and_optional_members():
         assert not accepts(g, bad), bad
 
 
+def test_schemas_it_does_not_understand_still_give_a_grammar():
+    """Whatever a client sends as parameters (the fuzz test sends anything), the grammar compiles: what
+    it cannot read allows any JSON value, deep nesting included."""
+    deep: dict = {"type": "object"}
+    node = deep
+    for _ in range(100):
+        node["properties"] = {"a": {"type": "object"}}
+        node = node["properties"]["a"]
+    weird = [{"enum": []}, {"enum": 5}, {"type": []}, {"type": [["a"]]}, {"type": {"a": 1}}, {"$ref": {"a": 1}}]
+    weird += [
+        {"$ref": "#/nope"},
+        {"required": "x", "properties": {"a": {}}},
+        {"properties": {"a": {"type": "array", "minItems": "3"}}},
+    ]
+    weird += [{"properties": [1]}, {"anyOf": []}, {"type": "object", "properties": {"a": {"$ref": "#"}}}, deep]
+    for schema in weird:
+        assert accepts(tool_choice_grammar([("f", schema)]), block("f", "{}")), schema
+
+
 # ---- tools: parsing the output ----------------------------------------------------------------
 TOOL_NAMES = {"get_weather", "noop"}
 OUTPUTS = [
