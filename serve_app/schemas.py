@@ -435,7 +435,9 @@ class ChatCompletionRequest(_GenerationRequest):
     )
     tools: list[Tool] | None = Field(default=None, description="Functions the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        default=None, description="none, auto (the default with tools), required, or a named function"
+        default=None,
+        description="none, auto (the default with tools), required (one or more calls), or a named function "
+        "(exactly one call of it)",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per answer")
     store: bool | None = Field(default=None, description="Only false is supported: nothing is stored")
@@ -479,11 +481,11 @@ class ChatCompletionRequest(_GenerationRequest):
                     param="tool_choice",
                 )
             tools = [t.function for t in self.tools or []]
-            if isinstance(self.tool_choice, NamedToolChoice):
+            named = isinstance(self.tool_choice, NamedToolChoice)
+            if isinstance(self.tool_choice, NamedToolChoice):  # exactly one call of that function
                 tools = [f for f in tools if f.name == self.tool_choice.function.name]
-            grammar = tool_choice_grammar(
-                [(f.name, f.parameters) for f in tools], parallel=self.parallel_tool_calls is not False
-            )
+            parallel = self.parallel_tool_calls is not False and not named
+            grammar = tool_choice_grammar([(f.name, f.parameters) for f in tools], parallel=parallel)
             params.structured = StructuredOutputParams(grammar=grammar, param="tool_choice")
         return params
 

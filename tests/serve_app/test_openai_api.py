@@ -186,6 +186,9 @@ def test_required_and_named_tool_choices_become_a_grammar():
     named = {"type": "function", "function": {"name": "noop"}}
     only = typed(CHAT | {"tools": [WEATHER, NOOP], "tool_choice": named}).generation.params.structured
     assert "noop" in only.grammar and "get_weather" not in only.grammar
+    assert accepts(only.grammar, block("noop", "{}")) and not accepts(
+        only.grammar, block("noop", "{}") + "\n" + block("noop", "{}")
+    )
     assert param_of(CHAT | {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}) == (
         "tool_choice"
     )

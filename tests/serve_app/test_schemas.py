@@ -156,7 +156,10 @@ def test_current_client_fields_are_accepted_at_neutral_values_and_developer_is_s
         ({"stop": ""}, "stop"),
         ({"n": 0}, "n"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, "response_format.json_schema.name"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+            "response_format.json_schema.name",
+        ),
     ],
 )
 def test_impossible_values_are_rejected_by_the_schema_naming_their_field(extra, param):

@@ -98,7 +98,7 @@ def test_streaming_deltas_add_up_to_the_completion(client):
     [
         ({"model": MODEL}, 400, "messages"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
-        ({"model": MODEL, "messages": MESSAGES, "n": 3}, 400, "n"),
+        ({"model": MODEL, "messages": MESSAGES, "n": 17}, 400, "n"),
         ({"model": MODEL, "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
         ({"model": "gpt-9", "messages": MESSAGES}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, None),
@@ -192,7 +192,7 @@ def test_metrics_expose_the_listed_series_after_traffic(base_url, client):
     client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={"slo": {"class": "batch"}}
     )  # 20 s TTFT, 0.4 s TPOT: met
-    httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 2})
+    httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "n": 17})
     deadline = time.monotonic() + 15  # replica gauges are as of each replica's last report (every second)
     while "lyanna_slo_attainment{" not in (text := httpx.get(f"{base_url}/metrics").text):
         assert time.monotonic() < deadline, "no replica reported its SLO attainment"
@@ -291,3 +291,233 @@ def test_structured_logs_carry_request_ids_across_ingress_and_replica(client, se
     assert ingress["num_prompt_tokens"] == replica["num_prompt_tokens"] == res.usage.prompt_tokens
     assert replica["aborted"] is False and ingress["ttft_ms"] > 0
     assert replica["queue_ms"] >= 0 and replica["prefill_ms"] > 0 and ingress["e2e_ms"] > 0
+
+
+# ---- the OpenAI API surface through the openai client: completions, logprobs, n, structured outputs,
+# tools; and speculation on vs off giving the same outputs for each ----------------------------------
+PROMPT = "The capital of France is"
+OFF = {"speculation": {"enabled": False}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city"}}
+WEATHER_QUESTION = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Rome"]}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA, "strict": True}}
+
+
+def test_completions_take_text_or_token_ids_and_equal_the_offline_engine(client, checkpoint):
+    from engines.tokenizer import Tokenizer
+
+    ids = Tokenizer(checkpoint).encode_prompt(PROMPT)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    tokens = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert text.object == "text_completion" and text.id.startswith("cmpl-")
+    assert text.choices[0].text == tokens.choices[0].text and text.usage == tokens.usage
+    assert text.usage.prompt_tokens == len(ids) and text.choices[0].finish_reason == "length"
+    offline = LLMEngine(EngineConfig(**ENGINE)).generate([ids], SamplingParams(temperature=0, max_tokens=12))
+    assert text.choices[0].text == offline[0].text and text.usage.completion_tokens == len(offline[0].token_ids)
+
+
+def test_completions_stop_and_stream(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=["\n"])
+    assert "\n" in whole.choices[0].text  # the stop string is there to be found
+    assert stopped.choices[0].text == whole.choices[0].text.split("\n")[0]
+    assert stopped.choices[0].finish_reason == "stop"
+    usage = {"include_usage": True}
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    chunks = list(client.completions.create(**kw, stream=True, stream_options=usage))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage == whole.usage and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_echo_with_logprobs_gives_the_prompt_and_its_logprobs_in_the_legacy_format(client):
+    res = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=3)
+    choice, lp = res.choices[0], res.choices[0].logprobs
+    n_prompt = res.usage.prompt_tokens
+    assert choice.text.startswith(PROMPT) and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + res.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for i in range(1, len(lp.tokens)):
+        top = lp.top_logprobs[i]
+        assert lp.token_logprobs[i] <= 0 and top[lp.tokens[i]] == lp.token_logprobs[i] and 3 <= len(top) <= 4
+        if i >= n_prompt:  # greedy: each generated token is the most likely at its position
+            assert lp.token_logprobs[i] == max(top.values())
+    # a prompt token's log-probability is the one the model gives it when it generates it
+    answer = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
+    word = answer.choices[0].text
+    again = client.completions.create(model=MODEL, prompt=PROMPT + word, max_tokens=1, echo=True, logprobs=0)
+    assert again.choices[0].logprobs.tokens[n_prompt] == word
+    assert again.choices[0].logprobs.token_logprobs[n_prompt] == pytest.approx(
+        answer.choices[0].logprobs.token_logprobs[0], abs=1e-4
+    )
+
+
+def test_a_completion_suffix_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="def f():", suffix="    return 1")
+    assert err.value.body["param"] == "suffix" and "suffix" in err.value.body["message"]
+
+
+def test_chat_logprobs_streamed_and_not_agree(client):
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    assert bytes(b for t in content for b in t.bytes) == whole.choices[0].message.content.encode()
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob for t in content)  # greedy
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, t.top_logprobs) for t in streamed] == [
+        (t.token, t.logprob, t.top_logprobs) for t in content
+    ]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_n_choices_are_seeded_per_choice_and_streamed_with_their_index(client):
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    both = client.chat.completions.create(**kw, n=2)
+    texts = [c.message.content for c in both.choices]
+    assert [c.index for c in both.choices] == [0, 1] and texts[0] != texts[1]
+    singles = [client.chat.completions.create(**kw | {"seed": 5 + i}) for i in range(2)]  # choice i: seed + i
+    assert [s.choices[0].message.content for s in singles] == texts
+    assert both.usage.prompt_tokens == singles[0].usage.prompt_tokens  # the prompt counted once
+    assert both.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    per_choice = {0: "", 1: ""}
+    finished = []
+    for chunk in client.chat.completions.create(**kw, n=2, stream=True):
+        for c in chunk.choices:
+            per_choice[c.index] += c.delta.content or ""
+            finished += [c.index] if c.finish_reason else []
+    assert [per_choice[0], per_choice[1]] == texts and sorted(finished) == [0, 1]
+
+
+def test_json_schema_output_parses_and_follows_the_schema(client):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe today's weather in Paris as JSON."}]
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        res = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=32, response_format=JSON_FORMAT, **extra
+        )
+        jsonschema.validate(json.loads(res.choices[0].message.content), WEATHER_SCHEMA)
+        assert res.choices[0].finish_reason == "stop"
+
+
+def test_the_openai_tool_calling_example(client):
+    """tools + auto, a call, then the tool's result sent back (the openai client's objects replayed)."""
+    messages = list(WEATHER_QUESTION)
+    auto = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=24, temperature=0
+    )
+    first = auto.choices[0]  # this small model decides for itself; either way the answer is well formed
+    assert (first.finish_reason == "tool_calls") == bool(first.message.tool_calls)
+    assert first.message.tool_calls or first.message.content
+    # `required` makes it call (the grammar): one call, parallel calls off
+    res = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=0,
+    )
+    choice = res.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str) and call.id.startswith("call_")
+    messages.append(choice.message)  # as the example does: the client's message object
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 22, "sky": "sunny"})})
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=16, temperature=0
+    )
+    assert final.choices[0].message.content or final.choices[0].message.tool_calls
+    assert final.usage.prompt_tokens > res.usage.prompt_tokens + 20  # the call and its result are in the prompt
+
+
+def test_a_named_tool_choice_streams_its_call_as_openai_sends_it(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = {"model": MODEL, "messages": WEATHER_QUESTION, "tools": [TIME_TOOL, WEATHER_TOOL], "tool_choice": named}
+    kw |= {"max_tokens": 40, "temperature": 0}
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id == whole.message.tool_calls[0].id or deltas[0].id.startswith("call_")
+    assert deltas[0].type == "function" and deltas[0].function.name == "get_weather" and len(deltas) > 2
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.message.tool_calls[0].function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason == "tool_calls"
+
+
+def comparable(res: dict) -> list:
+    """A response's choices without what differs between identical requests (ids)."""
+    out = []
+    for c in res["choices"]:
+        c = dict(c)
+        msg = c.get("message")
+        if msg and msg.get("tool_calls"):
+            c["message"] = msg | {"tool_calls": [t["function"] for t in msg["tool_calls"]]}
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "echo": True, "logprobs": 2}),
+        ("completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.9, "seed": 3, "n": 2}),
+        ("chat/completions", {"messages": MESSAGES, "temperature": 0.8, "seed": 11, "n": 2, "logprobs": True}),
+        ("chat/completions", {"messages": WEATHER_QUESTION, "response_format": JSON_FORMAT, "temperature": 0}),
+        ("chat/completions", {"messages": WEATHER_QUESTION, "response_format": JSON_FORMAT, "seed": 2}),
+        ("chat/completions", {"messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL], "tool_choice": "required"}),
+    ],
+    ids=["completion-echo-logprobs", "completion-n-seeded", "chat-n-logprobs", "json-greedy", "json-seeded", "tools"],
+)
+def test_speculation_on_and_off_give_the_same_outputs(base_url, path, body):
+    """The shipped Lyanna drafter (fixed tree) against no speculation: greedy and seeded outputs, their
+    log-probabilities (to numerical tolerance), constrained or not, are the same."""
+    request = {"model": MODEL, "max_tokens": 24} | body
+    url = f"{base_url}/v1/{path}"
+    on = httpx.post(url, json=request, timeout=120).json()
+    off = httpx.post(url, json=request | OFF, timeout=120).json()
+    assert on["speculation"]["draft_tokens"] > 0 and off["speculation"]["draft_tokens"] == 0
+    got, want = comparable(on), comparable(off)
+    for a, b in zip(got, want, strict=True):
+        lp_a, lp_b = a.pop("logprobs"), b.pop("logprobs")
+        assert a == b
+        assert_close(lp_a, lp_b)
+    assert on["usage"] == off["usage"]
+
+
+def assert_close(a, b, tol: float = 1e-4) -> None:
+    """Equal JSON values, floats (log-probabilities) to `tol`."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert a == pytest.approx(b, abs=tol)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for k in a:
+            assert_close(a[k], b[k], tol)
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_close(x, y, tol)
+    else:
+        assert a == b
