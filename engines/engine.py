@@ -50,6 +50,14 @@ class EngineStats:
     spec: SpecStats | None = None  # acceptance counters when a drafter is configured
     spec_policy: str = "fixed"  # the in-step speculation policy's name
     policy: dict[str, Any] = field(default_factory=dict)  # its decision and model statistics
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of them, tokens served from cached blocks
+    prefix_cache_blocks: int = 0  # blocks the prefix cache holds (in use or free)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens served from the prefix cache (0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:
@@ -106,7 +114,14 @@ class LLMEngine:
         if dtype == torch.float32 and self.model.dtype != torch.float32:
             self.model.compute_in(torch.float32)  # this CPU would emulate bf16 math: only the GEMMs keep it
         self.kv_cache = PagedKVCache(
-            cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, num_blocks, config.block_size, dtype, self.device
+            cfg.num_layers,
+            self.model.attn_kv_heads,
+            cfg.head_dim,
+            num_blocks,
+            config.block_size,
+            dtype,
+            self.device,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.max_model_len = min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens)
         if config.max_model_len is not None:
@@ -137,6 +152,8 @@ class LLMEngine:
         self.executor = SpecDecodeExecutor(
             self.runner, self.kv_cache, make_drafter(config, self), policy, config.chain_verifier, config.logprobs_mode
         )
+        if self.executor.drafter is not None:  # a drafter keeping K/V in the blocks needs their next token hashed
+            self.kv_cache.lookahead = self.executor.drafter.cache_lookahead
         if self.executor.drafter is not None and isinstance(policy, AdaptivePolicy) and config.adaptive.profile:
             profile_engine(self, policy)
         log.info(
@@ -284,6 +301,9 @@ class LLMEngine:
             spec=self.executor.stats if self.executor.drafter is not None else None,
             spec_policy=self.executor.policy.name,
             policy=self.executor.policy.stats(),
+            prefix_cache_queries=self.kv_cache.prefix_stats.queries,
+            prefix_cache_hits=self.kv_cache.prefix_stats.hits,
+            prefix_cache_blocks=self.kv_cache.allocator.num_cached,
         )
 
     # ---- stepping ----------------------------------------------------------------------------

@@ -40,6 +40,11 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache memory per rank when num_kv_blocks is not given")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; null = from kv_cache_gib")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Automatic prefix caching: full KV blocks are shared by hash of their token chain and kept "
+        "after their requests finish (least recently used evicted first)",
+    )
     max_num_seqs: int = Field(64, ge=1, description="Requests running at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens in one step's forward, drafts included")
     max_model_len: int | None = Field(

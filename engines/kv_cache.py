@@ -1,9 +1,21 @@
 """Paged KV cache: fixed-size blocks, a block allocator with capacity accounting, per-sequence block
-tables, and commit of an accepted root-to-node path after tree verification."""
+tables, commit of an accepted root-to-node path after tree verification, and automatic prefix caching.
+
+Prefix caching (vLLM v1's design): a full block whose K/V are computed is identified by the hash of its
+parent block's hash and its tokens (plus `lookahead` tokens past it, where a drafter's K/V at the block's
+last position read the next token). Blocks are reference-counted and shared read-only by every sequence
+whose tokens chain to the same hash; a freed block keeps its hash and stays findable until the pool
+needs it, least recently used first. Only full, computed blocks are shared: a sequence's partly filled
+last block, and every block a step writes (prefill chunk, decode token or draft tree, all at indices
+>= the sequence's computed tokens), belong to that sequence alone (`check_writable`)."""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -48,26 +60,116 @@ def copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.T
 
 
 class BlockAllocator:
-    """Hands out fixed-size KV blocks from a free list and takes them back."""
+    """Hands out fixed-size KV blocks and takes them back, counting references.
+
+    A block no sequence holds is free: either empty (`_free`), or cached (it has a hash and its K/V are
+    still findable, `_evictable`, least recently freed first). `allocate` takes empty blocks first and
+    then evicts cached ones, oldest first; `touch` takes a cached block for one more sequence.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> the block holding its K/V
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks not held by any sequence."""
-        return len(self._free)
+        """Blocks not held by any sequence (empty or cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks with a hash (held or not)."""
+        return len(self.cached)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks; raises CacheCapacityError (taking nothing) when fewer are free."""
-        if n > len(self._free):
-            raise CacheCapacityError(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        """Take `n` blocks, empty ones first, then evicting the least recently used cached ones; raises
+        CacheCapacityError (taking nothing) when fewer are free."""
+        if n > self.num_free:
+            raise CacheCapacityError(f"need {n} KV blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._uncache(block)
+                self.num_evicted += 1
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the free list."""
-        self._free.extend(blocks)
+        """Drop one reference to each block; a block no sequence holds any more becomes free (cached
+        blocks are released last first, so a sequence's first blocks are the last evicted)."""
+        for block in reversed(blocks):
+            count = self.ref_counts[block] - 1
+            if count < 0:
+                raise RuntimeError(f"KV block {block} freed more often than taken")
+            self.ref_counts[block] = count
+            if count == 0:
+                if self.block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take one more reference to each of these cached blocks (off the eviction list if unheld)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+
+    def cache(self, block: int, block_hash: int) -> None:
+        """Make a computed full block findable by its hash (a second block with a hash already cached
+        stays private and is freed empty)."""
+        if self.block_hash[block] is None and block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def _uncache(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached block's hash (held blocks stay with their sequences)."""
+        for block in list(self.cached.values()):
+            self._uncache(block)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache at admission, and how many of them it held."""
+
+    queries: int = 0  # prompt tokens of the requests admitted with a lookup
+    hits: int = 0  # of them, tokens whose K/V came from cached blocks
+    requests: int = 0  # requests admitted with a lookup
+    hit_requests: int = 0  # of them, requests with at least one cached block
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries (0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def hash_block(parent: int | None, tokens: list[int]) -> int:
+    """The chain hash of a block: BLAKE2b over the parent block's hash and the block's tokens (stable
+    across processes, so replicas and the router may compare them)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+TokenSource = Callable[[int, int], list[int]]  # (start, end) -> the sequence's tokens [start, end)
 
 
 class PagedKVCache:
@@ -87,6 +189,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        enable_prefix_caching: bool = False,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -95,6 +198,15 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_tables: dict[str, list[int]] = {}
+        self.prefix_caching = enable_prefix_caching
+        # Tokens past a block that its hash also covers: 1 where a drafter keeps K/V in these blocks
+        # (its K/V at a block's last position read the next token), else 0.
+        self.lookahead = 0
+        self.prefix_stats = PrefixCacheStats()
+        self._hashes: dict[str, list[int]] = {}  # seq -> chain hashes of its full blocks known so far
+        self._num_cached: dict[str, int] = {}  # seq -> its leading blocks that are cached
+        self._pending: dict[int, str] = {}  # hash -> the sequence whose prefill computes that block now
+        self._pending_of: dict[str, list[int]] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -185,7 +297,113 @@ class PagedKVCache:
         self.commit_paths([(seq_id, base, path)])
 
     def free(self, seq_id: str) -> None:
-        """Release all of a sequence's blocks (finish, abort or preemption)."""
+        """Release all of a sequence's blocks (finish, abort or preemption); cached ones stay findable."""
         table = self.block_tables.pop(seq_id, None)
         if table:
             self.allocator.free(table)
+        self._hashes.pop(seq_id, None)
+        self._num_cached.pop(seq_id, None)
+        for h in self._pending_of.pop(seq_id, ()):
+            if self._pending.get(h) == seq_id:
+                del self._pending[h]
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def _chain_hashes(self, seq_id: str, tokens: TokenSource, num_blocks: int) -> list[int]:
+        """The sequence's first `num_blocks` chain hashes (computed once, kept while it holds blocks)."""
+        hashes = self._hashes.setdefault(seq_id, [])
+        bs, extra = self.block_size, self.lookahead
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * bs, (i + 1) * bs + extra)))
+        return hashes
+
+    def num_matchable_blocks(self, num_tokens: int) -> int:
+        """Full blocks of a `num_tokens`-token sequence that a cache hit may cover: never its last token
+        (its logits are needed), and each block's lookahead tokens must exist."""
+        return max(0, (num_tokens - max(1, self.lookahead)) // self.block_size)
+
+    def match(self, seq_id: str, tokens: TokenSource, num_tokens: int) -> tuple[list[int], bool]:
+        """The cached blocks holding the longest prefix of the sequence's tokens, and whether its next
+        full block is being computed right now by another sequence's prefill (then the caller should
+        wait for it rather than compute it twice)."""
+        hashes = self._chain_hashes(seq_id, tokens, self.num_matchable_blocks(num_tokens))
+        hit: list[int] = []
+        for h in hashes:
+            block = self.allocator.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        owner = self._pending.get(hashes[len(hit)]) if len(hit) < len(hashes) else None
+        return hit, owner is not None and owner != seq_id
+
+    def can_allocate_with(self, seq_id: str, hit: list[int], num_tokens: int) -> bool:
+        """Whether a sequence holding no blocks could take the cached blocks `hit` and grow to
+        `num_tokens` tokens now (hit blocks that no one holds count against the free ones)."""
+        reclaimed = sum(1 for b in hit if self.allocator.ref_counts[b] == 0)
+        need = max(0, self.num_blocks_for(num_tokens) - len(hit))
+        return need + reclaimed <= self.allocator.num_free
+
+    def attach(self, seq_id: str, hit: list[int], num_tokens: int) -> None:
+        """Start a sequence's block table with the cached blocks `hit` (shared read-only), mark the full
+        blocks of its first `num_tokens` tokens past them as being computed by it, and record the lookup."""
+        if self.block_tables.get(seq_id):
+            raise RuntimeError(f"sequence {seq_id!r} already holds KV blocks")
+        self.allocator.touch(hit)
+        self.block_tables[seq_id] = list(hit)
+        self._num_cached[seq_id] = len(hit)
+        hashes = self._hashes.get(seq_id, [])
+        mine = [h for h in hashes[len(hit) : self.num_matchable_blocks(num_tokens)] if h not in self._pending]
+        for h in mine:
+            self._pending[h] = seq_id
+        self._pending_of[seq_id] = mine
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (prompt tokens, and those served from the cache)."""
+        st = self.prefix_stats
+        st.queries += num_tokens
+        st.hits += num_hit_tokens
+        st.requests += 1
+        st.hit_requests += num_hit_tokens > 0
+
+    def cache_blocks(self, seq_id: str, tokens: TokenSource, num_computed: int, num_tokens: int) -> None:
+        """Make the sequence's full blocks whose K/V are computed (its first `num_computed` tokens) findable
+        by hash; call it after the step that computed them, before the sequence frees its blocks."""
+        if not self.prefix_caching:
+            return
+        table = self.block_tables.get(seq_id)
+        if not table:
+            return
+        full = min(num_computed, num_tokens - self.lookahead) // self.block_size
+        done = self._num_cached.get(seq_id, 0)
+        if full <= done:
+            return
+        hashes = self._chain_hashes(seq_id, tokens, full)
+        for i in range(done, full):
+            self.allocator.cache(table[i], hashes[i])
+            if self._pending.get(hashes[i]) == seq_id:
+                del self._pending[hashes[i]]
+        self._num_cached[seq_id] = full
+
+    def cached_block_hashes(self, seq_id: str) -> list[int]:
+        """Chain hashes of the sequence's cached leading blocks."""
+        return self._hashes.get(seq_id, [])[: self._num_cached.get(seq_id, 0)]
+
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a block with this chain hash is in the cache."""
+        return block_hash in self.allocator.cached
+
+    def check_writable(self, seq_id: str, start: int) -> None:
+        """Raise unless every block holding the sequence's cache indices >= start is its own: a step writes
+        there (a chunk, a decode token, a draft tree), and a shared or cached block is read-only."""
+        table = self.block_tables.get(seq_id, [])
+        alloc = self.allocator
+        for block in table[start // self.block_size :]:
+            if alloc.ref_counts[block] != 1 or alloc.block_hash[block] is not None:
+                raise RuntimeError(
+                    f"sequence {seq_id!r} would write at index >= {start} into KV block {block}, which is "
+                    f"shared or cached (references {alloc.ref_counts[block]})"
+                )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the K/V stay with the sequences holding them)."""
+        self.allocator.reset_cache()
+        self._num_cached = dict.fromkeys(self._num_cached, 0)

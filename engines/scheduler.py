@@ -31,6 +31,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests admitted this step with a prefix-cache hit, and the tokens the hit covers (their
+    # `num_computed_tokens` start there; the drafter rebuilds its context state for them).
+    cache_hits: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +55,14 @@ class Scheduler:
     prompt and fewer further in, where each token's attention over the context read so far costs
     more (a token at context c costs 1 + c / `attention_keys_per_token` tokens' worth), so a decode
     step never waits behind more than one chunk; with nothing decoding, prompts fill the token budget.
+
+    With prefix caching on, a request is admitted with the cached blocks of its longest cached prefix
+    (none for a request asking for prompt log-probabilities: it needs every prompt row's logits) and
+    computes from there. A request whose next full block is being computed right now by another
+    request's prefill (the same prompt, as `n` > 1 fans out, or a shared system prompt) waits until that
+    block is cached rather than computing it twice; requests behind it may go first. A step's blocks
+    become hits after it: the blocks each request completed are cached at the start of the next
+    `schedule` (and when a request finishes or is preempted).
     """
 
     def __init__(
@@ -82,6 +93,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests, their token counts and draft grants, allocating their KV blocks."""
         out = SchedulerOutput()
+        if self.kv.prefix_caching:
+            for req in self.running:  # the last step's completed blocks become hits from now on
+                self._cache_blocks(req)
         budget = self.max_num_batched_tokens
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         prefill_budget = self.prefill_chunk_tokens if decoding else budget
@@ -116,18 +130,34 @@ class Scheduler:
                 continue
             break
         # Admit new work only when nothing had to be evicted: admitting while evicting would thrash.
+        w = 0
         while (
-            self.waiting
+            w < len(self.waiting)
             and min(budget, prefill_budget) > 0
             and len(self.running) < self.max_num_seqs
             and not out.preempted
         ):
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self._chunk(req, prefill_budget))
-            if n == 0 or not self.kv.can_allocate(req.request_id, req.num_computed_tokens + n):
+            req = self.waiting[w]
+            hit: list[int] = []
+            lookup = self.kv.prefix_caching and req.params.prompt_logprobs is None
+            if lookup:
+                hit, wait = self.kv.match(req.request_id, req.token_ids, req.num_tokens)
+                if wait:  # its next block is being computed by another prompt: take it once cached
+                    w += 1
+                    continue
+            cached = len(hit) * self.kv.block_size
+            n = min(req.num_tokens - cached, budget, self._chunk(req, prefill_budget, cached))
+            if n == 0 or not self.kv.can_allocate_with(req.request_id, hit, cached + n):
                 break
-            self.kv.allocate(req.request_id, req.num_computed_tokens + n)
-            self.waiting.popleft()
+            if lookup:
+                self.kv.attach(req.request_id, hit, req.num_tokens)
+                if req.num_preemptions == 0:
+                    self.kv.record_lookup(req.num_prompt_tokens, cached)
+                if cached:
+                    out.cache_hits.append((req, cached))
+            req.num_computed_tokens = cached
+            self.kv.allocate(req.request_id, cached + n)
+            del self.waiting[w]
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -135,17 +165,21 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             prefill_budget -= self._chunk_cost(req, n)
+        if self.kv.prefix_caching:
+            for s in out.scheduled:  # a step writes only into blocks its request holds alone
+                self.kv.check_writable(s.request.request_id, s.request.num_computed_tokens)
         return out
 
-    def _chunk(self, req: Request, work: float) -> int:
-        """Prompt tokens of `req` that fit `work` (in tokens at context 0) at its current context."""
+    def _cache_blocks(self, req: Request) -> None:
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens, req.num_tokens)
+
+    def _chunk(self, req: Request, work: float, context: int | None = None) -> int:
+        """Prompt tokens of `req` that fit `work` (in tokens at context 0) at its current context (or at
+        `context` tokens)."""
         if work <= 0:
             return 0
-        per_token = (
-            1.0
-            if self.attention_keys_per_token is None
-            else 1 + req.num_computed_tokens / self.attention_keys_per_token
-        )
+        context = req.num_computed_tokens if context is None else context
+        per_token = 1.0 if self.attention_keys_per_token is None else 1 + context / self.attention_keys_per_token
         return max(1, int(work / per_token))
 
     def _chunk_cost(self, req: Request, n: int) -> float:
@@ -165,6 +199,7 @@ class Scheduler:
         return max(0, min(limit.budget, budget - 1, room - 1))
 
     def _preempt(self, req: Request) -> None:
+        self._cache_blocks(req)  # what it computed stays findable: it may hit its own blocks when it resumes
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -177,5 +212,6 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._cache_blocks(req)  # its blocks stay cached: a conversation's next turn hits them
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED

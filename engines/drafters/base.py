@@ -22,6 +22,12 @@ class Drafter(ABC):
     name: str = "drafter"
     wants_hidden: bool = False  # whether the engine should call `on_prefill` with target hidden states
 
+    @property
+    def cache_lookahead(self) -> int:
+        """Tokens past a KV block that the prefix cache's block hash must cover because this drafter keeps
+        state in the target's blocks that depends on them (0: none)."""
+        return 0
+
     @abstractmethod
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         """One tree per request, rooted at its last token (not yet in the KV cache)."""
@@ -42,7 +48,13 @@ class Drafter(ABC):
         self, request: Request, start: int, hidden: torch.Tensor
     ) -> None:
         """Target hidden states of positions start.. of a non-draft forward (prefill chunk or plain
-        decode step), [n, hidden]. Called only when `wants_hidden` is set."""
+        decode step), [n, hidden]. Called only when `wants_hidden` is set, for every request (also
+        those that do not speculate: their blocks may serve others from the prefix cache)."""
+
+    def on_cached_prefix(self, request: Request, num_cached: int) -> None:  # noqa: B027 - optional hook
+        """The request was admitted with its first `num_cached` tokens' K/V from the prefix cache (the
+        target never ran over them for it): set up the context state the drafter keeps for them. Called
+        in the step that admits it, before drafting and before `on_prefill`."""
 
     def on_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
         """The request ended (finished, aborted or preempted); drop per-request state."""

@@ -9,6 +9,13 @@ K/V. One LM-head GEMM gives l_1..l_N and Algorithm 1 builds the tree (token_info
 `propose` drafts every request at once: one layer forward per step over all requests, one LM-head
 GEMM, and one batched Algorithm 1 run that also builds the re-sampled trees (Algorithm 2) recorded
 by `on_verified`, so a proposal copies from the device to the host once.
+
+Prefix caching: the target skips a request's cached prefix, so its hidden states there come from a
+store beside the KV cache (one row per slot, written by every step that writes the slot's K/V); on a
+hit, `on_cached_prefix` reads the prefix's states from it and the drafter's own K/V over the prefix are
+rebuilt by the next catch-up (one drafter-layer pass, like a prompt read). The fused layer writes those
+K/V into the target's blocks, shared ones included: the cache then hashes each block with the token
+after it (`cache_lookahead`), so every request sharing a block writes the same values there.
 """
 
 from __future__ import annotations
@@ -81,10 +88,39 @@ class LyannaDrafter(Drafter):
         self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
         self.resample_threshold = resample_threshold
         self.states: dict[str, _State] = {}
+        # The target's hidden state at every KV slot, for requests admitted on cached blocks (None
+        # without prefix caching): [slots, hidden].
+        self.hidden_store: torch.Tensor | None = None
+        if kv_cache is not None and kv_cache.prefix_caching:
+            slots = kv_cache.num_blocks * kv_cache.block_size
+            self.hidden_store = model.embed.new_zeros(slots, model.embed.shape[1])
+        self.num_rebuilt = 0  # cached-prefix tokens whose hidden states came from the store
         self.num_fused = 0  # proposals that carried a re-sampled tree
         self.num_resampled_alone = 0  # proposals that were a re-sampled tree alone (fusion off)
 
     # ---- hidden states from the target -----------------------------------------------------------
+    @property
+    def cache_lookahead(self) -> int:
+        """1 with the fused layer: its K/V at a block's last position read the next token, and they sit in
+        the target's (shared) blocks; the eager layer keeps them per request."""
+        return 1 if self.fused_layer is not None else 0
+
+    def _store(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+        """Keep the target's hidden states of positions start.. at their KV slots (prefix caching)."""
+        if self.hidden_store is None or self.kv_cache is None:
+            return
+        slots = self.kv_cache.slots(request.request_id, start, start + hidden.shape[0])
+        self.hidden_store.index_copy_(0, slots.to(self.hidden_store.device), hidden.to(self.hidden_store.dtype))
+
+    def on_cached_prefix(self, request: Request, num_cached: int) -> None:
+        if request.spec is None or self.hidden_store is None or self.kv_cache is None:
+            return
+        slots = self.kv_cache.slots(request.request_id, 0, num_cached).to(self.hidden_store.device)
+        # A fresh state (also after a preemption: the blocks may differ): the context is read again from 0.
+        st = self.states[request.request_id] = _State()
+        st.hidden = list(self.hidden_store.index_select(0, slots).to(self.model.embed.dtype).unbind(0))
+        self.num_rebuilt += num_cached
+
     def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
         st = self.states.get(request.request_id)
         if st is None:
@@ -99,9 +135,12 @@ class LyannaDrafter(Drafter):
         st.hidden.extend(hidden.to(self.model.embed.dtype).unbind(0))
 
     def on_prefill(self, request: Request, start: int, hidden: torch.Tensor) -> None:
-        self._record(request, start, hidden)
+        self._store(request, start, hidden)
+        if request.spec is not None:
+            self._record(request, start, hidden)
 
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
+        self._store(request, request.num_computed_tokens, hidden)
         self._record(request, request.num_computed_tokens, hidden)
         st = self.states[request.request_id]
         st.pending = None

@@ -78,6 +78,9 @@ class SpecDecodeExecutor:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
         paths' K/V; results in the order of `sched.scheduled`."""
         scheduled = sched.scheduled
+        if self.drafter is not None:
+            for req, num_cached in sched.cache_hits:  # admitted on cached blocks: the drafter's context for them
+                self.drafter.on_cached_prefix(req, num_cached)
         record = StepRecord(num_tokens=0, target_s=0.0)
         drafts = self._draft(scheduled, record)
         start = time.perf_counter()
@@ -157,7 +160,7 @@ class SpecDecodeExecutor:
             if drafts[b] is not None:
                 drafted.append(b)
                 continue
-            if hidden_hook and s.request.spec is not None:
+            if hidden_hook:  # every request's: its blocks may serve another's drafter from the prefix cache
                 self.drafter.on_prefill(s.request, s.request.num_computed_tokens, step.seq_hidden(b))
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens:
                 sampling.append((b, plan.logits_start[b + 1] - 1))
