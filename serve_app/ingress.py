@@ -253,6 +253,21 @@ ROUTE_MODELS: dict[str, tuple[type[BaseModel], type[BaseModel], type[BaseModel]]
 }
 
 
+def _sse_event_schema(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1 describes the event, as schemathesis reads it)."""
+    data = f"A {chunk} as JSON, an ErrorResponse if the replica fails mid-stream, or [DONE] at the end"
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "description": data},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+
+
 def chat_openapi(model_name: str) -> dict[str, Any]:
     """The OpenAPI document, with the generation routes' request bodies, responses and errors spelled
     out from the pydantic models."""
@@ -288,7 +303,7 @@ def chat_openapi(model_name: str) -> dict[str, Any]:
                 "then `data: [DONE]`",
                 "content": {
                     "application/json": {"schema": {"$ref": ref.format(model=response_model.__name__)}},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    "text/event-stream": {"schema": _sse_event_schema(chunk_model.__name__)},
                 },
             },
             "400": error("Not JSON, or the body breaks the schema or the model's limits"),

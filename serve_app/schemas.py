@@ -180,6 +180,8 @@ class ResponseFormatJSONSchema(_Strict):
 
 def _format_tag(v: Any) -> str | None:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    if not isinstance(kind, str):
+        return None
     return {"text": "ResponseFormatText", "json_object": "ResponseFormatJSONObject"}.get(
         kind, "ResponseFormatJSONSchema" if kind == "json_schema" else None
     )
