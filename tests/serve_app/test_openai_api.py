@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -424,3 +425,75 @@ def test_the_outcome_of_n_choices_counts_the_prompt_once():
     both = StreamDelta.combined([a, b])
     assert (both.num_prompt_tokens, both.num_output_tokens, both.finish_time) == (4, 8, 1.0)
     assert StreamDelta.combined([a]) is a
+
+
+# ---- the replica's fan-out, on the real engine (no Ray) -----------------------------------------
+@pytest.fixture(scope="module")
+def replica():
+    """An LLM replica around a real engine, without Ray Serve (its generate and helpers alone)."""
+    from engines.async_engine import AsyncEngine
+    from engines.engine import EngineConfig, LLMEngine
+    from policies.slo import SLOTracker
+    from serve_app import tracing
+    from serve_app.replica import LLMReplica
+    from serve_app.tracing import TracingSettings
+
+    r = object.__new__(LLMReplica.func_or_class)
+    r.tracer = tracing.make_tracer(TracingSettings(), "test")
+    r.slo_tracker = SLOTracker()
+    r.engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, drafter="none"))
+    r.async_engine = AsyncEngine(r.engine)
+    r.replica_id = "r0"
+    yield r
+    r.async_engine.shutdown()
+
+
+def collect(replica, chat, stop_after: int | None = None) -> list:
+    import asyncio
+
+    async def go() -> list:
+        items = []
+        stream = replica.generate(chat)
+        async for item in stream:
+            items.append(item)
+            if stop_after is not None and len(items) >= stop_after:
+                await stream.aclose()  # what Serve does when the client goes away
+                break
+        return items
+
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_the_replica_fans_n_choices_out_and_closing_the_stream_aborts_them_all(replica):
+    free = replica.engine.kv_cache.allocator.num_free
+    chat = typed({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "n": 3, "seed": 1}, CompletionRequest)
+    items = collect(replica, chat)
+    assert items[0].replica == "r0" and {i.index for i in items} == {0, 1, 2}
+    lasts = {i.index: i for i in items if i.finished}
+    assert sorted(lasts) == [0, 1, 2] and all(d.num_output_tokens == 6 for d in lasts.values())
+    long = typed({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "n": 2}, CompletionRequest)
+    assert len(collect(replica, long, stop_after=3)) == 3
+    deadline = time.monotonic() + 10  # the engine's loop thread takes the aborts at its next step
+    while replica.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not replica.engine.has_unfinished() and replica.engine.kv_cache.allocator.num_free == free
+    too_long = typed({"model": MODEL, "prompt": "word " * 300, "n": 2}, CompletionRequest)
+    (refused,) = collect(replica, too_long)
+    assert refused.status == 400 and refused.param == "prompt" and not replica.engine.has_unfinished()
+
+
+@pytest.mark.slow
+def test_the_replica_echoes_a_token_id_prompt_with_its_logprobs(replica):
+    ids = replica.engine.tokenizer.encode_prompt("The sky is")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    first = collect(replica, typed(body, CompletionRequest))[0]
+    assert first.prompt_text == "The sky is" and [e.token_id for e in first.prompt_logprobs] == ids
+    assert first.prompt_logprobs[0].logprob is None and all(e.logprob < 0 for e in first.prompt_logprobs[1:])
+    assert all(len(e.top) == 2 for e in first.prompt_logprobs[1:]) and len(first.logprobs) >= 1
+    chat = typed(CHAT | {"max_tokens": 40, "temperature": 0, "logprobs": True})
+    items = collect(replica, chat)
+    tokens = [e for i in items for e in i.logprobs]
+    assert items[-1].finish_reason == FinishReason.STOP  # it answered "hi" briefly: the end-of-turn token came
+    assert len(tokens) == items[-1].num_output_tokens - 1  # which is counted, not listed
+    assert "".join(e.token for e in tokens) == "".join(i.new_text for i in items)
