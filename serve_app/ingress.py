@@ -567,7 +567,8 @@ class Ingress:
             return _failed(e, "before answering")
         if isinstance(first, StreamError):  # the engine refused the request
             stream.cancel()
-            return error_response(first.status, first.message, first.param, first.code, kind=first.type)
+            param = "prompt" if first.param == "prompt_token_ids" else first.param  # the field clients send
+            return error_response(first.status, first.message, param, first.code, kind=first.type)
         timing.delivered(first)
         choices = _Choices(req)
         if req.stream:

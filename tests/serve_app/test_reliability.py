@@ -101,17 +101,23 @@ HOSTILE = [
     ("top_p = 0", with_(top_p=0), {}, 400, "top_p"),
     ("stream_options without stream", with_(stream_options={"include_usage": True}), {}, 400, "stream_options"),
     ("five stop strings", with_(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
-    ("n = 2", with_(n=2), {}, 400, "n"),
+    ("n = 17", with_(n=17), {}, 400, "n"),
     ("unknown field", with_(logprobs_please=True), {}, 400, "logprobs_please"),
-    ("tool role", with_(messages=[{"role": "tool", "content": "x"}]), {}, 400, "messages[0].role"),
+    ("tool role without tool_call_id", with_(messages=[{"role": "tool", "content": "x"}]), {}, 400,
+     "messages[0].tool_call_id"),
+    ("function role", with_(messages=[{"role": "function", "content": "x"}]), {}, 400, "messages[0].role"),
     ("image part", with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400,
      "messages[0].content"),
     ("message name (template has none)", with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]), {},
      400, "messages[0].name"),
     ("presence_penalty = 1", with_(presence_penalty=1), {}, 400, "presence_penalty"),
-    ("logprobs = true", with_(logprobs=True), {}, 400, "logprobs"),
-    ("tools", with_(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
-    ("JSON mode", with_(response_format={"type": "json_object"}), {}, 400, "response_format.type"),
+    ("top_logprobs = 21", with_(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("tool_choice names no tool", with_(tools=[{"type": "function", "function": {"name": "f"}}],
+     tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "tool_choice"),
+    ("unknown response_format", with_(response_format={"type": "xml"}), {}, 400, "response_format"),
+    ("JSON schema and a regex", with_(response_format={"type": "json_object"}, guided_regex="a+"), {}, 400,
+     "guided_regex"),
+    ("a regex that does not compile", with_(guided_regex="[a-"), {}, 400, "guided_regex"),
     ("prompt over the context", with_(messages=[{"role": "user", "content": "word " * 400}]), {}, 400, "messages"),
     ("max_tokens over the context", with_(max_tokens=100_000), {}, 400, "max_tokens"),
     ("unknown model", with_(model="gpt-9"), {}, 404, "model"),
@@ -131,6 +137,28 @@ def test_hostile_input_gets_an_openai_error(url, label, body, headers, status, p
     assert err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param, err
     assert time.monotonic() - start < 10  # rejected up front, not after parsing or tokenizing at length
+
+
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}
+HOSTILE_COMPLETIONS = [
+    ("suffix", COMPLETION | {"suffix": "The end."}, 400, "suffix"),
+    ("two prompts", COMPLETION | {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("negative token id", COMPLETION | {"prompt": [1, -2]}, 400, "prompt"),
+    ("token id past the vocabulary", COMPLETION | {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("logprobs = 21", COMPLETION | {"logprobs": 21}, 400, "logprobs"),
+    ("best_of = 3", COMPLETION | {"best_of": 3}, 400, "best_of"),
+    ("prompt over the context", COMPLETION | {"prompt": "word " * 400}, 400, "prompt"),
+    ("a chat body", OK, 400, "messages"),  # not a completions field
+]
+
+
+@pytest.mark.parametrize(
+    ("label", "body", "status", "param"), HOSTILE_COMPLETIONS, ids=[h[0] for h in HOSTILE_COMPLETIONS]
+)
+def test_hostile_completion_input_gets_an_openai_error(url, label, body, status, param):
+    res = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert res.status_code == status, res.text
+    assert res.json()["error"]["param"] == param
 
 
 def test_a_streamed_oversized_body_without_content_length_is_cut_at_the_limit(url):
@@ -177,7 +205,7 @@ def test_every_status_is_counted_and_the_server_keeps_serving(url):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_openapi_describes_the_chat_request_and_its_errors(url):
+def test_openapi_describes_the_generation_requests_and_their_errors(url):
     doc = httpx.get(f"{url}/openapi.json").json()
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
@@ -186,6 +214,11 @@ def test_openapi_describes_the_chat_request_and_its_errors(url):
     (number,) = [t for t in props["temperature"]["anyOf"] if t["type"] == "number"]  # or null
     assert number["maximum"] == 2 and props["model"]["enum"] == [MODEL]
     assert {"200", "400", "404", "413", "415", "503"} <= set(chat["responses"])
+    completions = doc["paths"]["/v1/completions"]["post"]
+    body = completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    props = doc["components"]["schemas"][body]["properties"]
+    assert {"prompt", "echo", "logprobs", "suffix", "max_tokens"} <= set(props)
+    assert {"200", "400", "404", "413", "415", "503"} <= set(completions["responses"])
     assert httpx.get(f"{url}/docs").status_code == 200
 
 
