@@ -321,10 +321,10 @@ class PagedKVCache:
         (its logits are needed), and each block's lookahead tokens must exist."""
         return max(0, (num_tokens - max(1, self.lookahead)) // self.block_size)
 
-    def match(self, seq_id: str, tokens: TokenSource, num_tokens: int) -> tuple[list[int], bool]:
-        """The cached blocks holding the longest prefix of the sequence's tokens, and whether its next
-        full block is being computed right now by another sequence's prefill (then the caller should
-        wait for it rather than compute it twice)."""
+    def match(self, seq_id: str, tokens: TokenSource, num_tokens: int) -> tuple[list[int], int]:
+        """The cached blocks holding the longest prefix of the sequence's tokens, and how many of its
+        full blocks right after them other sequences' prefills are computing now (the caller may wait
+        for those rather than compute them twice)."""
         hashes = self._chain_hashes(seq_id, tokens, self.num_matchable_blocks(num_tokens))
         hit: list[int] = []
         for h in hashes:
@@ -332,8 +332,13 @@ class PagedKVCache:
             if block is None:
                 break
             hit.append(block)
-        owner = self._pending.get(hashes[len(hit)]) if len(hit) < len(hashes) else None
-        return hit, owner is not None and owner != seq_id
+        pending = 0
+        for h in hashes[len(hit) :]:
+            owner = self._pending.get(h)
+            if owner is None or owner == seq_id:
+                break
+            pending += 1
+        return hit, pending
 
     def can_allocate_with(self, seq_id: str, hit: list[int], num_tokens: int) -> bool:
         """Whether a sequence holding no blocks could take the cached blocks `hit` and grow to

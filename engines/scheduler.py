@@ -58,9 +58,10 @@ class Scheduler:
 
     With prefix caching on, a request is admitted with the cached blocks of its longest cached prefix
     (none for a request asking for prompt log-probabilities: it needs every prompt row's logits) and
-    computes from there. A request whose next full block is being computed right now by another
-    request's prefill (the same prompt, as `n` > 1 fans out, or a shared system prompt) waits until that
-    block is cached rather than computing it twice; requests behind it may go first. A step's blocks
+    computes from there. A request whose next full blocks are being computed right now by other
+    requests' prefills (the same prompt, as `n` > 1 fans out, or a long shared system prompt) waits until
+    they are cached rather than computing them twice, when they make at least half of what it has left
+    to compute; requests behind it may go first. A step's blocks
     become hits after it: the blocks each request completed are cached at the start of the next
     `schedule` (and when a request finishes or is preempted).
     """
@@ -141,8 +142,10 @@ class Scheduler:
             hit: list[int] = []
             lookup = self.kv.prefix_caching and req.params.prompt_logprobs is None
             if lookup:
-                hit, wait = self.kv.match(req.request_id, req.token_ids, req.num_tokens)
-                if wait:  # its next block is being computed by another prompt: take it once cached
+                hit, pending = self.kv.match(req.request_id, req.token_ids, req.num_tokens)
+                # Blocks another prompt computes now, worth half of what it has to compute: take them
+                # once cached (a short shared head, the chat template's system prompt, is not worth a step).
+                if 2 * pending * self.kv.block_size >= req.num_tokens - len(hit) * self.kv.block_size:
                     w += 1
                     continue
             cached = len(hit) * self.kv.block_size

@@ -25,8 +25,8 @@ def source(tokens: list[int]):
 
 def run(kv: PagedKVCache, seq: str, tokens: list[int], computed: int | None = None) -> list[int]:
     """Admit `seq` with its cache hit, 'compute' the rest, cache its full blocks; returns the hit blocks."""
-    hit, wait = kv.match(seq, source(tokens), len(tokens))
-    assert not wait
+    hit, pending = kv.match(seq, source(tokens), len(tokens))
+    assert not pending
     kv.attach(seq, hit, len(tokens))
     kv.allocate(seq, len(tokens))
     kv.cache_blocks(seq, source(tokens), len(tokens) - 1 if computed is None else computed, len(tokens))
@@ -112,20 +112,20 @@ def test_admission_accounts_for_cached_blocks_no_one_holds():
     assert kv.can_allocate_with("b", [], 20) and not kv.can_allocate_with("b", [], 21)
 
 
-def test_a_prompt_waits_for_blocks_another_prompt_is_computing():
+def test_a_prompt_sees_the_blocks_another_prompt_is_computing():
     kv = cache()
     tokens = list(range(30))
-    hit, wait = kv.match("a", source(tokens), 30)
+    hit, _ = kv.match("a", source(tokens), 30)
     kv.attach("a", hit, 30)
     kv.allocate("a", 16)  # its first chunk
-    assert kv.match("b", source(tokens), 30) == ([], True)  # block 0 is being computed by a: wait
-    assert kv.match("c", source([9, *tokens[1:]]), 30) == ([], False)  # another prompt: no wait
+    assert kv.match("b", source(tokens), 30) == ([], 7)  # a computes blocks 0-6 (7 full blocks of 29 tokens)
+    assert kv.match("c", source([*tokens[:8], 9, *tokens[9:]]), 30) == ([], 2)  # shares blocks 0-1 only
     kv.cache_blocks("a", source(tokens), 16, 30)  # a's first chunk done: blocks 0-3 cached
-    hit, wait = kv.match("b", source(tokens), 30)
-    assert len(hit) == 4 and wait  # block 4 is still a's to compute
+    hit, pending = kv.match("b", source(tokens), 30)
+    assert len(hit) == 4 and pending == 3
     kv.free("a")  # a went away (aborted, preempted): nothing to wait for
-    hit, wait = kv.match("b", source(tokens), 30)
-    assert len(hit) == 4 and not wait
+    hit, pending = kv.match("b", source(tokens), 30)
+    assert len(hit) == 4 and pending == 0
 
 
 def test_lookahead_hashes_cover_the_next_token():

@@ -13,6 +13,7 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.request import Request
 from engines.sampling import SamplingParams
 from engines.spec_decode.policy import AdaptiveSettings
+from tests.conftest import CHAT_PROMPTS
 
 SYS = {
     "role": "system",
@@ -123,10 +124,11 @@ def test_a_prompt_being_prefilled_is_waited_for_and_counted_as_a_hit(plain):
     plain.kv_cache.reset_prefix_cache()
     before = plain.stats()
     same = [plain.add_request(HAIKU, greedy(2)) for _ in range(3)]
-    # (chat prompts share the template's default system prompt: this one shares nothing)
-    other = plain.add_request(prompt_token_ids=list(range(1000, 1040)), params=greedy(2))
+    # another chat prompt shares only the template's default system prompt (one block) with HAIKU's
+    other = plain.add_request(CHAT_PROMPTS[3], greedy(2))
     plain.step()
-    # the first HAIKU computes the prompt; the other two wait for its blocks, the other prompt goes ahead
+    # the first HAIKU computes the prompt; the other two wait for its blocks; the other prompt goes ahead
+    # (waiting would save it one block of its 70 tokens)
     assert [r.num_computed_tokens for r in same] == [38, 0, 0] and other.num_computed_tokens > 0
     assert list(plain.scheduler.waiting) == same[1:]
     plain.step()  # its blocks are cached after the step that computed them: both take them
@@ -137,7 +139,7 @@ def test_a_prompt_being_prefilled_is_waited_for_and_counted_as_a_hit(plain):
     after = plain.stats()
     prompt = same[0].num_prompt_tokens  # 38: 2 full blocks may hit (never the last token)
     assert after.prefix_cache_queries - before.prefix_cache_queries == 3 * prompt + other.num_prompt_tokens
-    assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * 32
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 2 * 32  # the other computed its block too
     assert 0 < after.prefix_cache_hit_rate < 1 and after.prefix_cache_blocks > 0
 
 
