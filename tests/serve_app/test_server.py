@@ -494,11 +494,35 @@ def comparable(res: dict) -> list:
 def test_speculation_on_and_off_give_the_same_outputs(base_url, path, body):
     """The shipped Lyanna drafter (fixed tree) against no speculation: greedy and seeded outputs, their
     log-probabilities (to numerical tolerance), constrained or not, are the same."""
+    on, off = on_and_off(f"{base_url}/v1/{path}", body)
+    assert on["speculation"]["draft_tokens"] > 0 and off["speculation"]["draft_tokens"] == 0
+    assert_same_outputs(on, off)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("completions", {"prompt": PROMPT, "temperature": 0.9, "seed": 4, "n": 2, "logprobs": 1}),
+        ("chat/completions", {"messages": WEATHER_QUESTION, "response_format": JSON_FORMAT, "seed": 3}),
+        ("chat/completions", {"messages": WEATHER_QUESTION, "tools": [WEATHER_TOOL], "tool_choice": "required"}),
+    ],
+    ids=["completion-n-seeded-logprobs", "json-seeded", "tools"],
+)
+def test_the_adaptive_policy_gives_the_same_outputs_as_no_speculation(base_url, path, body):
+    """The shipped speculation (Lyanna under the adaptive policy), which drafts as its goodput model says."""
+    assert_same_outputs(*on_and_off(f"{base_url}/spec/v1/{path}", body))
+
+
+def on_and_off(url: str, body: dict) -> tuple[dict, dict]:
+    """The same request with the server's speculation, and with speculation off."""
     request = {"model": MODEL, "max_tokens": 24} | body
-    url = f"{base_url}/v1/{path}"
     on = httpx.post(url, json=request, timeout=120).json()
     off = httpx.post(url, json=request | OFF, timeout=120).json()
-    assert on["speculation"]["draft_tokens"] > 0 and off["speculation"]["draft_tokens"] == 0
+    return on, off
+
+
+def assert_same_outputs(on: dict, off: dict) -> None:
+    """Equal choices (text, tool calls, finish reasons), log-probabilities to numerical tolerance."""
     got, want = comparable(on), comparable(off)
     for a, b in zip(got, want, strict=True):
         lp_a, lp_b = a.pop("logprobs"), b.pop("logprobs")
