@@ -6,6 +6,8 @@
 - `python -m engines.bench.verify_latency`: the cost of verifying sampled draft trees
 - `python -m engines.bench.interference`: how long prompts and contexts disturb a batch
 - `python -m engines.bench.quality`: how much each weight setting changes the model's answers
+- `python -m engines.bench.structured`: JSON-schema outputs under speculation against free text (validity,
+  tokens/s ratio), and `--libraries`: xgrammar against llguidance
 
 `llamacpp_peer` runs llama.cpp as a peer for `engines.bench --compare-llamacpp`.
 """
