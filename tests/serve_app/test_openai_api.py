@@ -467,8 +467,11 @@ def collect(replica, chat, stop_after: int | None = None) -> list:
 @pytest.mark.slow
 def test_the_replica_fans_n_choices_out_and_closing_the_stream_aborts_them_all(replica):
     free = replica.engine.kv_cache.allocator.num_free
-    chat = typed({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "n": 3, "seed": 1}, CompletionRequest)
+    prompt = "Once upon a time, in a quiet village by the sea, there lived an old fisherman who told stories. " * 2
+    chat = typed({"model": MODEL, "prompt": prompt, "max_tokens": 6, "n": 3, "seed": 1}, CompletionRequest)
+    hits = replica.engine.stats().prefix_cache_hits
     items = collect(replica, chat)
+    assert replica.engine.stats().prefix_cache_hits - hits >= 2 * 32  # choices 1 and 2 read choice 0's prompt blocks
     assert items[0].replica == "r0" and {i.index for i in items} == {0, 1, 2}
     lasts = {i.index: i for i in items if i.finished}
     assert sorted(lasts) == [0, 1, 2] and all(d.num_output_tokens == 6 for d in lasts.values())
