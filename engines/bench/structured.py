@@ -268,8 +268,13 @@ def bench_outputs(args: argparse.Namespace) -> dict[str, Any]:
         for name in order if k % 2 == 0 else order[::-1]:
             side, params = sides[name]
             run_wave(engine, prompts, w, params, side)
+        done, free_side = sides["json_schema"][0], sides["free"][0]
+        valid = sum(validate(done.texts[i], schema) is None for i in done.texts)
+        ratio = (done.tokens / done.wall_s) / (free_side.tokens / free_side.wall_s)
         print(
-            f"wave {k + 1}/{len(waves)}: " + ", ".join(f"{n} {sides[n][0].wave_s[-1]:.2f}s" for n in order),
+            f"wave {k + 1}/{len(waves)}: "
+            + ", ".join(f"{n} {sides[n][0].wave_s[-1]:.2f}s" for n in order)
+            + f"; so far {valid}/{len(done.texts)} valid, tokens/s ratio {ratio:.3f}",
             file=sys.stderr,
         )
     constrained, free = sides["json_schema"][0], sides["free"][0]

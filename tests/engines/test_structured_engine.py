@@ -167,3 +167,21 @@ def test_speculation_gives_plain_decodings_constrained_outputs(name, reference, 
         assert [c.token_ids for c in run_batch(engine, kind)] == reference[kind], kind
     assert engine.stats().spec.num_accepted_tokens > 0
     assert sum(pruned) > 0 and len(pruned) > 0
+
+
+@pytest.mark.slow
+def test_the_structured_benchmark_reports_validity_and_the_ratio(capsys):
+    """`python -m engines.bench.structured` on one prompt: a valid record, both sides timed, the grammar's
+    time counted, and the engine's hooks unwrapped afterwards."""
+    import engines.spec_decode.executor as executor_module
+    from engines.bench.structured import main
+    from engines.structured_output import GrammarState
+
+    hooks = (executor_module._prune_for_grammar, executor_module._mask_for_grammar, GrammarState.advance)
+    argv = ["--num-prompts", "1", "--max-new-tokens", "96", "--drafter", "ngram"]
+    out = main([*argv, "--warmup", "0"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+    assert out["valid"] == 1.0 and out["num_prompts"] == 1 and out["tokens_per_s_ratio"] > 0
+    constrained, free = out["configs"]["json_schema"], out["configs"]["free"]
+    assert constrained["finish_reasons"] == {"stop": 1} and constrained["grammar_s"] > free["grammar_s"]
+    assert (executor_module._prune_for_grammar, executor_module._mask_for_grammar, GrammarState.advance) == hooks
