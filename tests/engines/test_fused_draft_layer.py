@@ -96,6 +96,8 @@ def test_a_fused_row_does_not_depend_on_its_batch(engine):
     together = {r.request_id: drafter.states[r.request_id].last_out.clone() for r in reqs}
     slots = torch.cat([engine.kv_cache.slots(r.request_id, 0, r.num_tokens - 1) for r in reqs])
     keys = fused.k[0, slots].clone()
+    # prefix caching: requests may share blocks (their keys there are the same); a slot's first row
+    row_of = {slot: row for row, slot in reversed(list(enumerate(slots.tolist())))}
     batched = drafter.trajectories(reqs, 4)
     for req, traj in zip(reqs, batched, strict=True):
         drafter.states[req.request_id] = copy.deepcopy(before[req.request_id])
@@ -103,7 +105,7 @@ def test_a_fused_row_does_not_depend_on_its_batch(engine):
         assert drafter.catch_up([req]) == [req.num_tokens - 1]
         assert torch.equal(drafter.states[req.request_id].last_out, together[req.request_id])
         own = engine.kv_cache.slots(req.request_id, 0, req.num_tokens - 1)
-        assert torch.equal(fused.k[0, own], keys[torch.isin(slots, own)])
+        assert torch.equal(fused.k[0, own], keys[[row_of[slot] for slot in own.tolist()]])
         assert torch.equal(drafter.trajectories([req], 4)[0], traj)
     finish(engine, reqs)
 
@@ -208,6 +210,10 @@ def test_eagle_with_the_fused_layer_is_lossless_through_preemption():
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True),
     ):
+        # In bf16, K/V cached by the first round's steps differ in rounding from the ones a prefill
+        # computes (as chunked prefill's do): each round starts from empty prefix caches in both engines.
+        small.kv_cache.reset_prefix_cache()
+        plain.kv_cache.reset_prefix_cache()
         reqs = [small.add_request(p, params) for p in CHAT_PROMPTS[:3]]
         while small.has_unfinished():
             small.step()
