@@ -216,3 +216,26 @@ def test_the_drafter_rebuilds_its_context_over_a_cached_prefix(config):
     first_a, first_b = trees[a.request_id][0], trees[b.request_id][0]
     assert first_b is not None and first_a.tokens == first_b.tokens and first_a.parents == first_b.parents
     assert torch.allclose(torch.tensor(first_a.scores), torch.tensor(first_b.scores), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_follow_shared_blocks(reference):
+    """Two ranks (rank 1 a Ray actor): the block tables rank 0 broadcasts name shared blocks like any
+    other, so cached generation on two ranks equals the uncached single rank's."""
+    import ray
+
+    want1, want2, answers = reference
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    engine = None
+    try:
+        engine = LLMEngine(
+            EngineConfig(dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, max_num_seqs=8, drafter="lyanna")
+        )
+        first = run(engine, WAVE1)
+        second = run(engine, wave2(answers))
+        assert [r.output_token_ids for r in first] == want1 and [r.output_token_ids for r in second] == want2
+        assert engine.stats().prefix_cache_hits >= 48
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ray.shutdown()
