@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engines.engine import LLMEngine
 from engines.engine_config import add_engine_args, engine_config_from_args
 from engines.sampling import SamplingParams
@@ -297,6 +299,7 @@ def bench_outputs(args: argparse.Namespace) -> dict[str, Any]:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
         "schema_compile_s": compile_s,
         "valid": (len(prompts) - len(invalid)) / len(prompts),
         "invalid": {str(i): e for i, e in invalid.items()},
@@ -353,8 +356,6 @@ class _Library:
 def bench_libraries(args: argparse.Namespace) -> dict[str, Any]:
     """xgrammar against llguidance on the embedded model's tokenizer (each where installed), per schema of
     `LIBRARY_SCHEMAS`: compile time, per-token mask time along its document, a 7-node tree's masks."""
-    import torch
-
     from engines.loader import resolve_checkpoint
     from engines.tokenizer import Tokenizer
 
@@ -467,6 +468,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="record",
         help="SCHEMA, or CAPPED (xgrammar's slow case)",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 keeps the timing sane on a machine shared with other jobs",
+    )
     ap.add_argument("--libraries", action="store_true", help="measure the grammar libraries instead")
     ap.add_argument("--repeat", type=int, default=3, help="--libraries: passes over the document")
     add_engine_args(
@@ -485,6 +492,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
     )
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     result = bench_libraries(args) if args.libraries else bench_outputs(args)
     print(json.dumps(result))
     return result
