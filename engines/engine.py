@@ -23,7 +23,7 @@ from engines.loader import load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus, TokenLogprob
 from engines.sampling import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import FinishedPrefix, Scheduler
 from engines.spec_decode.executor import RequestStepResult, SpecDecodeExecutor
 from engines.spec_decode.policy import AdaptivePolicy, make_policy
 from engines.spec_decode.profile import profile_engine
@@ -288,6 +288,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs."""
         return self.scheduler.has_unfinished()
+
+    def pop_finished_prefix(self, request_id: str) -> FinishedPrefix | None:
+        """What the prefix cache holds of a request that finished lately (None if unknown or without prefix
+        caching), handed over once, for prefix-aware routing. Safe from any thread."""
+        return self.scheduler.finished_prefixes.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         """Current queue lengths and KV-cache use."""

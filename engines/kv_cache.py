@@ -392,6 +392,14 @@ class PagedKVCache:
         """Chain hashes of the sequence's cached leading blocks."""
         return self._hashes.get(seq_id, [])[: self._num_cached.get(seq_id, 0)]
 
+    def prefix_anchors(self, seq_id: str, num_prompt_tokens: int) -> tuple[int | None, int | None]:
+        """Chain hashes of the sequence's last cached block within its first `num_prompt_tokens` tokens and
+        of its last cached block overall (None where it has none): while a block is cached, so is,
+        most likely, what precedes it (a sequence's blocks are evicted tail first)."""
+        hashes = self.cached_block_hashes(seq_id)
+        in_prompt = min(len(hashes), num_prompt_tokens // self.block_size)
+        return (hashes[in_prompt - 1] if in_prompt else None), (hashes[-1] if hashes else None)
+
     def is_cached(self, block_hash: int) -> bool:
         """Whether a block with this chain hash is in the cache."""
         return block_hash in self.allocator.cached

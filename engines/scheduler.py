@@ -4,11 +4,23 @@ decodes and (chunked) prefills, and recompute-preemption when the KV cache runs 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from engines.kv_cache import PagedKVCache
 from engines.request import Request, RequestStatus
+
+MAX_FINISHED_PREFIXES = 1024  # finished requests whose `FinishedPrefix` waits for its reader
+
+
+@dataclass(frozen=True)
+class FinishedPrefix:
+    """What the prefix cache holds of a finished request: the chain hashes of its last cached block within
+    the prompt and overall (None where none), and its output text (a conversation's next turn)."""
+
+    prompt_anchor: int | None
+    full_anchor: int | None
+    output_text: str
 
 
 @dataclass
@@ -82,6 +94,8 @@ class Scheduler:
         self.attention_keys_per_token = attention_keys_per_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # What the prefix cache keeps of the latest finished requests, for prefix-aware routing.
+        self.finished_prefixes: OrderedDict[str, FinishedPrefix] = OrderedDict()
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -216,5 +230,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._cache_blocks(req)  # its blocks stay cached: a conversation's next turn hits them
+        if self.kv.prefix_caching:
+            anchors = self.kv.prefix_anchors(req.request_id, req.num_prompt_tokens)
+            self.finished_prefixes[req.request_id] = FinishedPrefix(*anchors, req.output_text)
+            if len(self.finished_prefixes) > MAX_FINISHED_PREFIXES:
+                self.finished_prefixes.popitem(last=False)
         self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED

@@ -1,5 +1,6 @@
-"""Request router for the LLM replicas: load- and SLO-aware, with prefix affinity (Ray Serve's
-custom request-router API; set on `LLMReplica` by `request_router_config` in serve_config.yaml).
+"""Request router for the LLM replicas: load- and SLO-aware, with prefix affinity scored by what each
+replica holds in its prefix cache (Ray Serve's custom request-router API; set on `LLMReplica` by
+`request_router_config` in serve_config.yaml).
 
 Every replica reports its engine load through `record_routing_stats` (running and waiting requests,
 KV-cache use); the router adds the requests it has itself sent since (Serve's queue-length cache).
@@ -7,11 +8,15 @@ A replica's load is
 
     ongoing / max_ongoing_requests + kv_weight * KV-cache use
 
-Requests of a tight SLO class go to the least-loaded replica. Other requests go back to the replica
-that last served the same conversation prefix (its KV and drafter state are warm, and a relaxed
-request does not need the emptiest replica) unless that replica's load exceeds the least-loaded one's
-by more than `imbalance`; otherwise they too go to the least loaded. Serve's default router instead
-probes two random replicas and takes the shorter queue.
+Requests of a tight SLO class go to the least-loaded replica. Other requests go to the replica holding
+the longest prefix of their conversation in its KV cache (its prefill then starts past it, and its
+drafter reads the prefix from the same cache), unless that replica's load exceeds the least-loaded
+one's by more than `imbalance`; otherwise they too go to the least loaded. What a replica holds comes
+from two sources (policies/prefix_affinity.py): the conversation-prefix keys it reports, those whose
+last KV block is still in its prefix cache (so evictions count), and, for `memory_s` after routing, the
+router's own record of where it sent each prefix (a report lags a request by its run time plus the
+stats period). Longer held prefixes win; equal ones go to the less loaded. Serve's default router
+instead probes two random replicas and takes the shorter queue.
 
 Routing never fails a request: a request the router cannot read (a lone surrogate in a message, a
 malformed field) is ranked by load alone, since a router that raises leaves the caller waiting
@@ -22,13 +27,14 @@ reported stats (`policies.live_routers`): the ingress builds its readiness and r
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
-from typing import Protocol, runtime_checkable
+import time
+from typing import Any, Protocol, runtime_checkable
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from policies import live_routers
+from policies.prefix_affinity import PrefixKey, conversation_keys, request_messages
 
 
 @runtime_checkable
@@ -54,15 +60,6 @@ def routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
     return pending.args[0]
 
 
-def prefix_key(messages: list[dict[str, str]] | None, chars: int) -> str | None:
-    """A hash of the conversation's first `chars` characters (None without messages)."""
-    if not messages:
-        return None
-    text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in messages)
-    # surrogatepass: a str from JSON may hold a lone surrogate, which strict UTF-8 cannot encode.
-    return hashlib.blake2b(text[:chars].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-
-
 log = logging.getLogger("ray.serve.lyanna.routing")
 
 
@@ -76,18 +73,20 @@ class LoadAwareRouter(RequestRouter):
     def initialize_state(
         self,
         tight_classes: list[str] | None = None,
-        prefix_chars: int = 512,
         imbalance: float = 0.25,
         kv_weight: float = 0.5,
         max_prefixes: int = 10_000,
+        memory_s: float = 60.0,
     ) -> None:
         """Settings from `request_router_kwargs`."""
         self.tight_classes = set(tight_classes if tight_classes is not None else ["interactive"])
-        self.prefix_chars = prefix_chars
         self.imbalance = imbalance
         self.kv_weight = kv_weight
         self.max_prefixes = max_prefixes
-        self.affinity: collections.OrderedDict[str, ReplicaID] = collections.OrderedDict()
+        self.memory_s = memory_s
+        # conversation-prefix key -> (replica it was routed to, when); oldest first
+        self.affinity: collections.OrderedDict[int, tuple[ReplicaID, float]] = collections.OrderedDict()
+        self._reported: dict[ReplicaID, tuple[Any, set[int]]] = {}  # each replica's latest reported keys
         live_routers.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     def load(self, replica: RunningReplica) -> float:
@@ -109,39 +108,60 @@ class LoadAwareRouter(RequestRouter):
             log.exception("prefix affinity failed; routing by load")
         return [[r] for r in ranked]
 
+    def held_chars(self, replica: RunningReplica, keys: list[PrefixKey], now: float | None = None) -> int:
+        """Characters of the longest prefix of the conversation (`keys`) the replica holds: reported as
+        cached by it, or routed to it by this router within `memory_s`; 0 for none."""
+        now = time.monotonic() if now is None else now
+        listed = (replica.routing_stats or {}).get("prefix_keys") or ()
+        seen = self._reported.get(replica.replica_id)
+        if seen is None or seen[0] is not listed:  # a new report: its keys as a set, once
+            seen = self._reported[replica.replica_id] = (listed, set(listed))
+        reported = seen[1]
+        for k in reversed(keys):
+            if k.key in reported:
+                return k.chars
+            routed = self.affinity.get(k.key)
+            if routed is not None and routed[0] == replica.replica_id and now - routed[1] <= self.memory_s:
+                return k.chars
+        return 0
+
     def _prefer_home(
         self, ranked: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[RunningReplica]:
-        """Move the replica that last served this conversation prefix to the front, unless it is
+        """Move the replica holding the longest prefix of this conversation to the front, unless it is
         too loaded or the request is of a tight SLO class."""
         request = routed_request(pending_request)
-        if request is None:
+        if request is None or not ranked or request.slo_class in self.tight_classes:
             return ranked
-        key = prefix_key(request.messages, self.prefix_chars)
-        if ranked and key is not None and request.slo_class not in self.tight_classes:
-            home = self.affinity.get(key)
-            match = [r for r in ranked if r.replica_id == home]
-            if match and self.load(match[0]) <= self.load(ranked[0]) + self.imbalance:
-                ranked.remove(match[0])
-                ranked.insert(0, match[0])
+        keys = conversation_keys(request_messages(request))
+        if not keys:
+            return ranked
+        now = time.monotonic()
+        held = [self.held_chars(r, keys, now) for r in ranked]
+        best = max(range(len(ranked)), key=lambda i: (held[i], -i))  # ties: the less loaded
+        home = ranked[best]
+        if held[best] > 0 and self.load(home) <= self.load(ranked[0]) + self.imbalance:
+            ranked.remove(home)
+            ranked.insert(0, home)
         return ranked
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        """Remember where this prefix went."""
+        """Remember where this conversation's prefixes went."""
         request = routed_request(pending_request)
         try:
-            key = None if request is None else prefix_key(request.messages, self.prefix_chars)
+            keys = [] if request is None else conversation_keys(request_messages(request))
         except Exception:  # an unreadable request has no affinity
             return
-        if key is None:
-            return
-        self.affinity[key] = replica_id
-        self.affinity.move_to_end(key)
+        now = time.monotonic()
+        for k in keys:
+            self.affinity[k.key] = (replica_id, now)
+            self.affinity.move_to_end(k.key)
         while len(self.affinity) > self.max_prefixes:
             self.affinity.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget a dead replica's prefixes."""
         super().on_replica_actor_died(replica_id)
-        for key in [k for k, r in self.affinity.items() if r == replica_id]:
+        self._reported.pop(replica_id, None)
+        for key in [k for k, (r, _) in self.affinity.items() if r == replica_id]:
             del self.affinity[key]

@@ -7,10 +7,12 @@ and requests by SLO class and whether they met their targets (goodput). TTFT, TP
 SLO attainment come from the engine's timestamps in the last stream item, so they agree with the
 replica's SLO tracker (`StreamDelta.slo_met`); end-to-end and inter-token latency are the ingress's
 own clock (what a client sees, the hop to the replica included).
-Replica gauges (batch size, queue length, KV-cache use, SLO attainment, and the speculation policy's
-latest choices with its predicted vs observed acceptance and step time) are set at scrape time from
-the stats every running replica last reported, one series per replica (`replica` label); a replica
-that is gone loses its series.
+Replica gauges (batch size, queue length, KV-cache use, SLO attainment, prefix-cache hit rate and
+blocks, and the speculation policy's latest choices with its predicted vs observed acceptance and step
+time) are set at scrape time from the stats every running replica last reported, one series per replica
+(`replica` label); a replica that is gone loses its series. The prefix cache's cumulative counters
+(prompt tokens looked up at admission, and those served from cached blocks) are exported as counters
+per replica from the same stats.
 """
 
 from __future__ import annotations
@@ -18,11 +20,41 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from policies.slo import SLOTarget
 from serve_app.messages import StreamDelta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ReplicaCounters:
+    """Counters a replica keeps itself (its stats carry their running totals), exported per replica at
+    scrape time: `lyanna_prefix_cache_queries_total` and `lyanna_prefix_cache_hits_total`."""
+
+    COUNTERS = (
+        ("prefix_cache_queries", "Prompt tokens looked up in a replica's prefix cache at admission"),
+        ("prefix_cache_hits", "Prompt tokens a replica served from its prefix cache (hits / queries: the hit rate)"),
+    )
+
+    def __init__(self, labels: dict[str, str]):
+        self.labels = labels
+        self.replicas: list[dict[str, Any]] = []
+
+    def describe(self) -> list[Metric]:
+        """The metric families, without samples (for the registry's name checks)."""
+        return [CounterMetricFamily(f"lyanna_{key}", doc, labels=[]) for key, doc in self.COUNTERS]
+
+    def collect(self) -> list[Metric]:
+        """One sample per replica of each counter, from the stats last observed."""
+        families = []
+        for key, doc in self.COUNTERS:
+            family = CounterMetricFamily(f"lyanna_{key}", doc, labels=[*self.labels, "replica"])
+            for stats in self.replicas:
+                if key in stats:
+                    family.add_metric([*self.labels.values(), stats["replica"]], stats[key])
+            families.append(family)
+        return families
 
 
 class ServeMetrics:
@@ -101,6 +133,20 @@ class ServeMetrics:
         self.slo_attainment = Gauge(
             "lyanna_slo_attainment", "Share of a replica's recent requests meeting targets", per_replica, registry=r
         )
+        self.prefix_hit_rate = Gauge(
+            "lyanna_prefix_cache_hit_rate",
+            "Share of prompt tokens a replica served from its prefix cache since it started",
+            per_replica,
+            registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "lyanna_prefix_cache_blocks",
+            "KV blocks a replica's prefix cache holds (in use or free)",
+            per_replica,
+            registry=r,
+        )
+        self.replica_counters = ReplicaCounters(self.labels)
+        r.register(self.replica_counters)
         self.policy = {
             key: Gauge(f"lyanna_spec_policy_{key}", doc, per_replica, registry=r)
             for key, doc in (
@@ -153,6 +199,8 @@ class ServeMetrics:
     def observe_replicas(self, replicas: list[dict[str, Any]]) -> None:
         """Set the engine gauges from every running replica's latest stats; drop the series of gone ones."""
         gauges = [self.batch_size, self.queue_length, self.kv_usage, self.slo_attainment, *self.policy.values()]
+        gauges += [self.prefix_hit_rate, self.prefix_blocks]
+        self.replica_counters.replicas = list(replicas)
         for gauge in gauges:
             gauge.clear()
         self.replicas.labels(**self.labels).set(len(replicas))
@@ -163,6 +211,9 @@ class ServeMetrics:
             self.kv_usage.labels(**replica).set(stats["kv_cache_usage"])
             if stats["slo_attainment"] is not None:
                 self.slo_attainment.labels(**replica).set(stats["slo_attainment"])
+            if "prefix_cache_hit_rate" in stats:
+                self.prefix_hit_rate.labels(**replica).set(stats["prefix_cache_hit_rate"])
+                self.prefix_blocks.labels(**replica).set(stats["prefix_cache_blocks"])
             for key, value in stats["policy"].items():
                 if key in self.policy:
                     self.policy[key].labels(**replica).set(value)

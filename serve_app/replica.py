@@ -31,6 +31,7 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.errors import InvalidRequestError
 from engines.request import FinishReason, RequestOutput, TokenLogprob
 from engines.tokenizer import Tokenizer
+from policies.prefix_affinity import HeldPrefixes, remember_served, request_messages
 from policies.slo import SLOTracker
 from serve_app import tracing
 from serve_app.messages import ChatRequest, LogprobEntry, StreamDelta, StreamError, StreamItem
@@ -124,6 +125,7 @@ class LLMReplica:
         self.engine = LLMEngine(self.settings.engine_config())
         self.async_engine = AsyncEngine(self.engine)
         self.replica_id = _replica_id()
+        self.held_prefixes = HeldPrefixes()  # conversation prefixes it served, for the router's affinity
 
     async def generate(
         self, request: ChatRequest, trace_context: dict[str, str] | None = None
@@ -183,6 +185,7 @@ class LLMReplica:
                 await stream.aclose()  # a choice still running is aborted and frees its blocks
             last = StreamDelta.combined([lasts[i] for i in sorted(lasts)]) if len(lasts) == request.n else None
             self._record(span, request, start, last, error)
+            self._remember_prefix(request)
 
     def _delta(
         self, request: ChatRequest, index: int, out: RequestOutput, first: bool = False, replica: str | None = None
@@ -254,6 +257,16 @@ class LLMReplica:
         span.end()
         log.info("request %s", "aborted" if fields["aborted"] else "finished", extra=fields)
 
+    def _remember_prefix(self, request: ChatRequest) -> None:
+        """Record the conversation prefixes the request left in the prefix cache (its prompt; with the
+        answer of its first choice, a chat's next turn), which `stats` reports to the router."""
+        finished = [self.engine.pop_finished_prefix(g.request_id) for g in request.generations()]
+        first = finished[0]
+        if first is not None:
+            answer = first.output_text if request.messages else None
+            anchors = (first.prompt_anchor, first.full_anchor)
+            remember_served(self.held_prefixes, request_messages(request), answer, anchors)
+
     def stats(self) -> dict[str, Any]:
         """Engine load (running/waiting requests, KV blocks), SLO attainment and the speculation
         policy's latest decisions and predictions (metrics, tests and debugging)."""
@@ -273,6 +286,12 @@ class LLMReplica:
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "tensor_parallel_group": None if self.engine.workers is None else self.engine.workers.group_id,
             "policy": s.policy,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "prefix_cache_blocks": s.prefix_cache_blocks,
+            # keys of the conversation prefixes whose KV it holds (policies/prefix_affinity.py)
+            "prefix_keys": self.held_prefixes.report(self.engine.kv_cache.is_cached),
         }
 
     def record_routing_stats(self) -> dict[str, Any]:

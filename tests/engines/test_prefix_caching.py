@@ -239,3 +239,23 @@ def test_tensor_parallel_ranks_follow_shared_blocks(reference):
         if engine is not None:
             engine.shutdown()
         ray.shutdown()
+
+
+def test_a_finished_request_leaves_its_prefix_anchors_for_routing(plain):
+    req = plain.add_request(HAIKU, greedy(20))  # 38 + 20 tokens: 2 blocks in the prompt, 3 computed in all
+    while plain.has_unfinished():
+        plain.step()
+    finished = plain.pop_finished_prefix(req.request_id)
+    assert finished is not None and finished.output_text == req.output_text
+    assert plain.pop_finished_prefix(req.request_id) is None  # handed over once
+    kv = plain.kv_cache
+    assert finished.prompt_anchor != finished.full_anchor
+    assert kv.is_cached(finished.prompt_anchor) and kv.is_cached(finished.full_anchor)
+    # the prompt anchor is the block a next turn reaches through the prompt: a longer prompt hits it last
+    longer = plain.add_request(prompt_token_ids=[*req.prompt_token_ids, *req.output_token_ids, 42], params=greedy(2))
+    plain.step()
+    table = kv.block_tables[longer.request_id]
+    assert kv.allocator.block_hash[table[1]] == finished.prompt_anchor
+    assert kv.allocator.block_hash[table[2]] == finished.full_anchor
+    while plain.has_unfinished():
+        plain.step()

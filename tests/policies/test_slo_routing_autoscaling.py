@@ -13,7 +13,8 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from engines.request import GenerationRequest
 from policies.autoscaling import SLOAutoscalingPolicy
-from policies.routing import LoadAwareRouter, prefix_key
+from policies.prefix_affinity import HeldPrefixes, conversation_keys, remember_served
+from policies.routing import LoadAwareRouter
 from policies.slo import SLOSettings, SLOTarget, SLOTracker, latencies
 from serve_app.messages import ChatRequest
 
@@ -91,7 +92,7 @@ async def _router_ranking():
     r._replica_queue_len_cache.update(a.replica_id, 20)  # the router's own count is fresher than the stats
     ranks = await r.choose_replicas([a, b, c], pending("hello"))
     assert ranks[0][0] is c and ranks[-1][0] is a  # 0.625 is beyond the imbalance: affinity yields
-    assert prefix_key(pending("hello").args[0].messages, 512) != prefix_key(pending("hullo").args[0].messages, 512)
+    assert conversation_keys(pending("hello").args[0].messages) != conversation_keys(pending("hullo").args[0].messages)
 
 
 def test_router_never_fails_on_a_body_it_cannot_read():
@@ -102,13 +103,73 @@ async def _unreadable_bodies():
     r = router()
     a, c = replica("a", 8), replica("c", 4)
     surrogate = pending("\ud800 hi")  # valid JSON ("\ud800"), not encodable as UTF-8
-    assert prefix_key(surrogate.args[0].messages, 512) != prefix_key(pending("\ud801 hi").args[0].messages, 512)
+    assert conversation_keys(surrogate.args[0].messages) != conversation_keys(pending("\ud801 hi").args[0].messages)
     r.on_request_routed(surrogate, a.replica_id, None)
     assert (await r.choose_replicas([a, c], surrogate))[0][0] is a  # affinity still works for it
     odd = SimpleNamespace(args=[SimpleNamespace(messages=[{"role": "user", "content": "x"}], slo_class=["unhashable"])])
     ranks = await r.choose_replicas([a, c], odd)  # the affinity step raises inside: ranked by load alone
     assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a"]
     r.on_request_routed(odd, c.replica_id, None)
+
+
+def conversation(*contents: str) -> list[dict[str, str]]:
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    return [{"role": roles[i], "content": c} for i, c in enumerate(contents)]
+
+
+def pending_chat(messages):
+    return SimpleNamespace(args=[ChatRequest(GenerationRequest(request_id="id", messages=messages)), None])
+
+
+def test_conversation_keys_chain_over_whole_messages():
+    turn1 = conversation("Be brief.", "Name a colour.")
+    turn2 = conversation("Be brief.", "Name a colour.", "Red.", "Another?")
+    k1, k2 = conversation_keys(turn1), conversation_keys(turn2)
+    assert k2[:2] == k1 and [k.chars for k in k2] == [9, 23, 27, 35]  # a growing conversation keeps its keys
+    assert conversation_keys(conversation("Be brief!", "Name a colour."))[1] != k1[1]  # every earlier message counts
+    assert conversation_keys([{"role": "user", "content": "x"}]) != conversation_keys(
+        [{"role": "system", "content": "x"}]
+    )
+    assert conversation_keys(None) == [] and conversation_keys([{"role": "user", "content": [{"a": 1}]}])
+
+
+def test_a_replica_reports_the_prefixes_whose_blocks_it_still_holds():
+    held = HeldPrefixes()
+    messages = conversation("Be brief.", "Name a colour.")
+    remember_served(held, messages, "Red.", (11, 22))  # prompt anchored at block 11, + answer at block 22
+    next_turn = conversation_keys(
+        [*messages, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "?"}]
+    )
+    assert set(held.report(lambda h: True)) == {k.key for k in next_turn[:3]}
+    assert set(held.report(lambda h: h == 11)) == {k.key for k in next_turn[:2]}  # block 22 evicted: forgotten
+    assert held.report(lambda h: h == 22) == []
+    remember_served(held, messages, None, (None, None))  # nothing cached (prefix caching off): nothing held
+    assert held.report(lambda h: True) == []
+
+
+def test_the_router_scores_replicas_by_the_longest_prefix_they_hold():
+    asyncio.run(_prefix_scores())
+
+
+async def _prefix_scores():
+    r = router()
+    a, b, c = replica("a", 8), replica("b", 4), replica("c", 2)  # loads 0.25, 0.125, 0.0625
+    turn1 = conversation("Be brief.", "Name a colour.")
+    turn2 = [*turn1, {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another?"}]
+    keys = conversation_keys(turn2)
+    a.routing_stats["prefix_keys"] = [keys[0].key]  # the system prompt only
+    b.routing_stats["prefix_keys"] = [keys[2].key]  # the first turn and its answer
+    assert [r.held_chars(x, keys) for x in (a, b, c)] == [keys[0].chars, keys[2].chars, 0]
+    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is b  # longest held, though c is idler
+    b.routing_stats["prefix_keys"] = []  # b evicted it: a holds the longest prefix, within the imbalance of c
+    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is a
+    a.routing_stats["prefix_keys"] = []
+    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is c  # nobody holds it: least loaded
+    # until a replica reports what it served, the router's own record of where a prefix went counts
+    r.on_request_routed(pending_chat(turn1), b.replica_id, None)
+    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is b
+    r.memory_s = 0.0  # ... for memory_s only; then the replicas' reports rule
+    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is c
 
 
 def test_the_ingress_finds_the_router_of_its_process():
