@@ -58,7 +58,9 @@ class EngineConfig(BaseModel):
     )
     drafter: DrafterName = Field("lyanna", description="none, ngram, draft-model, lyanna or eagle")
     draft_model: str | None = Field(
-        None, description="The drafter's checkpoint; null = the one shipped for the embedded model"
+        None,
+        description="The drafter's checkpoint; null = the one shipped for the embedded model (for another target, "
+        "train one with `python -m engines.training --model <folder>`; ngram needs none)",
     )
     spec_depth: int = Field(SpecParams.depth, ge=1, le=64, description="Draft tree depth (a cap if adaptive)")
     spec_width: int = Field(SpecParams.width, ge=1, le=64, description="Children per draft node at most")
