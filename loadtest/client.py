@@ -24,6 +24,7 @@ class RequestResult:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)  # gaps between content chunks
     replica: str | None = None
+    text: str = ""  # the streamed content (a conversation's next turn appends it)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +78,7 @@ async def run_chat(client: httpx.AsyncClient, url: str, model: str, job: ChatJob
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
                     if choice.get("delta", {}).get("content"):
+                        res.text += choice["delta"]["content"]
                         now = time.perf_counter()
                         if res.ttft is None:
                             res.ttft = now - start

@@ -14,6 +14,8 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.client import RequestResult
+from loadtest.multiturn import MultiTurnConfig, TurnResult, held_out_conversations, run_multiturn, shared_prefix_share
+from loadtest.multiturn import summarize as multiturn_summary
 from loadtest.report import ScrapedMetrics, percentiles, summarize
 from loadtest.runner import LoadTestConfig, Stage, check_target, parse_stages, run_load_test
 from loadtest.workload import Workload, load_prompts, parse_mix
@@ -107,3 +109,41 @@ def test_locust_file_reports_the_latency_metrics(base_url, tmp_path):
     for name in ("ttft", "itl", "tpot", "e2e", "output_tokens", "slo/batch"):
         assert int(rows[("METRIC", name)]["Request Count"]) >= 1, name
     assert float(rows[("METRIC", "ttft")]["Median Response Time"]) > 0
+
+
+def turn(conversation: int, k: int, messages, text: str, sent: float, done: float, ttft: float = 0.1) -> TurnResult:
+    res = RequestResult(sent, None, 200, ttft=ttft, e2e=ttft + 0.5, output_tokens=4, text=text)
+    return TurnResult(conversation, k, messages, res, sent, done)
+
+
+def test_multiturn_conversations_and_shared_prefix_share():
+    convs = held_out_conversations(3, 4, 100)
+    assert len(convs) == 3 and all(len(c) == 4 and all(8 <= len(u.strip()) and len(u) <= 100 for u in c) for c in convs)
+    assert held_out_conversations(2, 4, 100, skip=1) == convs[1:]
+    first = [{"role": "user", "content": "Tell me about the moon. " * 4}]
+    second = [*first, {"role": "assistant", "content": "It orbits the earth."}, {"role": "user", "content": "And?"}]
+    turns = [turn(0, 1, first, "It orbits the earth.", 0.0, 1.0), turn(0, 2, second, "Tides.", 1.0, 2.0, ttft=0.3)]
+    share = shared_prefix_share(turns)
+    # turn 2 repeats turn 1's prompt and answer (about half of both prompts' tokens); whole blocks, less
+    assert 0.3 < share["blocks"] < share["tokens"] < 0.6
+    alone = shared_prefix_share([turn(0, 2, second, "Tides.", 1.0, 2.0)])
+    assert alone["tokens"] == 0.0
+    cfg = MultiTurnConfig(turns=2)
+    s = multiturn_summary(cfg, turns, 2.0, (100.0, 10.0), (200.0, 80.0))
+    assert s["ttft_median_s_by_turn"] == {"1": 0.1, "2": 0.3} and s["ttft_median_s_turns_2_plus"] == 0.3
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.7) and s["output_tokens_per_s"] == 4.0
+    json.dumps(s)
+
+
+@pytest.mark.slow
+def test_multiturn_run_reports_ttft_by_turn_and_the_prefix_cache_hit_rate(base_url):
+    """Two 3-turn conversations on the live server: later turns re-send what the server just computed,
+    and /metrics counts their prompt tokens as prefix-cache hits."""
+    cfg = MultiTurnConfig(url=base_url, conversations=2, turns=3, concurrency=2, max_tokens=8, max_user_chars=200)
+    summary, turns = asyncio.run(run_multiturn(cfg))
+    assert summary["completed"] == summary["requests"] == 6
+    assert all(summary["ttft_median_s_by_turn"][k] > 0 for k in ("1", "2", "3"))
+    assert summary["prefix_cache_queries"] > 0
+    share = summary["shared_prefix_share"]["blocks"]
+    assert share > 0.3 and summary["prefix_cache_hit_rate"] == pytest.approx(share, abs=0.15)
+    assert turns[-1].result.text
