@@ -259,3 +259,13 @@ def test_a_finished_request_leaves_its_prefix_anchors_for_routing(plain):
     assert kv.allocator.block_hash[table[2]] == finished.full_anchor
     while plain.has_unfinished():
         plain.step()
+
+
+@pytest.mark.slow
+def test_the_prefix_cache_benchmark_times_a_hit_and_the_drafters_rebuild():
+    from engines.bench.prefix_cache import measure
+
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, drafter="lyanna"))
+    (row,) = measure(engine, [96], repeats=1)
+    assert row["prefix_tokens"] == 96 and 0 < row["hit_prefill_s"] and 0 < row["cold_prefill_s"]
+    assert row["drafter_store_read_s"] > 0 and row["drafter_first_catch_up_s"] > 0 and row["drafter_store_write_s"] > 0
