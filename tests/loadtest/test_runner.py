@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.__main__ import main
@@ -19,6 +20,7 @@ from loadtest.multiturn import summarize as multiturn_summary
 from loadtest.report import ScrapedMetrics, percentiles, summarize
 from loadtest.runner import LoadTestConfig, Stage, check_target, parse_stages, run_load_test
 from loadtest.workload import Workload, load_prompts, parse_mix
+from policies.prefix_affinity import conversation_keys
 from policies.slo import SLOSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,4 +148,8 @@ def test_multiturn_run_reports_ttft_by_turn_and_the_prefix_cache_hit_rate(base_u
     assert summary["prefix_cache_queries"] > 0
     share = summary["shared_prefix_share"]["blocks"]
     assert share > 0.3 and summary["prefix_cache_hit_rate"] == pytest.approx(share, abs=0.15)
-    assert turns[-1].result.text
+    # the replica reports the finished conversations (history + answer) it holds, for the router
+    last = turns[-1]
+    key = conversation_keys([*last.messages, {"role": "assistant", "content": last.result.text}])[-1].key
+    (replica,) = httpx.get(f"{base_url}/debug/engine", timeout=30).json()["replicas"]
+    assert key in replica["prefix_keys"] and replica["prefix_cache_hits"] > 0
