@@ -96,4 +96,3 @@ class SharedMemoryChannel:
             time.sleep(0)
             if not idle and now - start > self.timeout_s:
                 raise RuntimeError(f"waited {self.timeout_s:.0f} s for {what}")
-

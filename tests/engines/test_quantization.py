@@ -231,11 +231,7 @@ def test_quantized_model_keeps_the_dequantized_models_predictions(setting):
 def test_speculation_is_lossless_against_the_quantized_target(setting):
     """In fp32 the quantized target computes with its dequantized values exactly; greedy and seeded
     outputs with Lyanna then equal plain decoding of that same target, in one batch."""
-    engine = LLMEngine(
-        EngineConfig(
-            dtype="float32", quantization=setting, num_kv_blocks=256
-        )
-    )
+    engine = LLMEngine(EngineConfig(dtype="float32", quantization=setting, num_kv_blocks=256))
     assert engine.quantization == setting and engine.model.layers[0].mlp.down_proj.quant_kind == setting
     off = SpecParams(enabled=False)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -87,8 +87,13 @@ def with_(**fields) -> dict:
 
 # (label, body, extra headers, status, param): the hostile-input table in docs/serving.md.
 HOSTILE = [
-    ("lone surrogate in content", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
-     % MODEL.encode(), {}, 400, None),
+    (
+        "lone surrogate in content",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}' % MODEL.encode(),
+        {},
+        400,
+        None,
+    ),
     ("invalid UTF-8", b'{"model": "\xff\xfe"}', {}, 400, None),
     ("JSON nested 10,000 deep", b'{"model": "m", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", {}, 400, None),
     ("not JSON", b"{not json", {}, 400, None),
@@ -103,28 +108,61 @@ HOSTILE = [
     ("five stop strings", with_(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
     ("n = 17", with_(n=17), {}, 400, "n"),
     ("unknown field", with_(logprobs_please=True), {}, 400, "logprobs_please"),
-    ("tool role without tool_call_id", with_(messages=[{"role": "tool", "content": "x"}]), {}, 400,
-     "messages[0].tool_call_id"),
+    (
+        "tool role without tool_call_id",
+        with_(messages=[{"role": "tool", "content": "x"}]),
+        {},
+        400,
+        "messages[0].tool_call_id",
+    ),
     ("function role", with_(messages=[{"role": "function", "content": "x"}]), {}, 400, "messages[0].role"),
-    ("image part", with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400,
-     "messages[0].content"),
-    ("message name (template has none)", with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]), {},
-     400, "messages[0].name"),
+    (
+        "image part",
+        with_(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        {},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "message name (template has none)",
+        with_(messages=[{"role": "user", "content": "hi", "name": "bob"}]),
+        {},
+        400,
+        "messages[0].name",
+    ),
     ("presence_penalty = 1", with_(presence_penalty=1), {}, 400, "presence_penalty"),
     ("top_logprobs = 21", with_(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
-    ("tool_choice names no tool", with_(tools=[{"type": "function", "function": {"name": "f"}}],
-     tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "tool_choice"),
+    (
+        "tool_choice names no tool",
+        with_(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        {},
+        400,
+        "tool_choice",
+    ),
     ("unknown response_format", with_(response_format={"type": "xml"}), {}, 400, "response_format"),
-    ("JSON schema and a regex", with_(response_format={"type": "json_object"}, guided_regex="a+"), {}, 400,
-     "guided_regex"),
+    (
+        "JSON schema and a regex",
+        with_(response_format={"type": "json_object"}, guided_regex="a+"),
+        {},
+        400,
+        "guided_regex",
+    ),
     ("a regex that does not compile", with_(guided_regex="[a-"), {}, 400, "guided_regex"),
     ("prompt over the context", with_(messages=[{"role": "user", "content": "word " * 400}]), {}, 400, "messages"),
     ("max_tokens over the context", with_(max_tokens=100_000), {}, 400, "max_tokens"),
     ("unknown model", with_(model="gpt-9"), {}, 404, "model"),
     ("unknown SLO class", with_(slo={"class": "gold"}), {}, 400, "slo.class"),
     ("text/plain body", OK, {"content-type": "text/plain"}, 415, None),
-    ("3 MiB body", b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 3 * 2**20 + b'"}]}', {}, 413,
-     None),
+    (
+        "3 MiB body",
+        b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * 3 * 2**20 + b'"}]}',
+        {},
+        413,
+        None,
+    ),
 ]
 
 
@@ -188,8 +226,15 @@ def test_current_clients_fields_are_honoured_or_neutral(url):
     assert content[0] == content[1]
     # Neutral values of unsupported features ask for nothing and are accepted.
     neutral = with_(
-        presence_penalty=0, frequency_penalty=0, logprobs=False, response_format={"type": "text"}, tools=[],
-        tool_choice="none", store=False, user="u-1", max_completion_tokens=4,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logprobs=False,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        store=False,
+        user="u-1",
+        max_completion_tokens=4,
     )
     assert post(url, neutral).status_code == 200
 

@@ -119,9 +119,9 @@ def test_chat_file_examples_read_openai_and_sharegpt_lines(engine_fp32, tmp_path
     from engines.training.data import chat_file_examples
 
     path = tmp_path / "chats.jsonl"
-    lines = [
-        {"id": f"chat_{i}", "messages": CONV} for i in range(300)
-    ] + [{"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}]
+    lines = [{"id": f"chat_{i}", "messages": CONV} for i in range(300)] + [
+        {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     tok = engine_fp32.tokenizer
     train = list(chat_file_examples(tok, path, "train", 10_000))
