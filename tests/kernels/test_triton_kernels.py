@@ -278,9 +278,11 @@ def test_kv_commit_kernel_equals_reference_for_accepted_paths(mode, dtype):
     results = []
     for kind in ("triton", "torch"):
         kv = commit_cache(dtype)
+        for seq, base, path in commits:  # the same allocations give the same block tables
+            kv.allocate(seq, base + max(path) + 1)
+        assert kv.block_tables == before.block_tables
         kv.k.copy_(before.k)
         kv.v.copy_(before.v)
-        kv.block_tables = {s: list(t) for s, t in before.block_tables.items()}
         mode(kind)
         kv.commit_paths(commits)
         results.append(kv)

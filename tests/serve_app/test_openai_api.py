@@ -430,20 +430,11 @@ def test_the_outcome_of_n_choices_counts_the_prompt_once():
 # ---- the replica's fan-out, on the real engine (no Ray) -----------------------------------------
 @pytest.fixture(scope="module")
 def replica():
-    """An LLM replica around a real engine, without Ray Serve (its generate and helpers alone)."""
-    from engines.async_engine import AsyncEngine
-    from engines.engine import EngineConfig, LLMEngine
-    from policies.slo import SLOTracker
-    from serve_app import tracing
+    """An LLM replica around a real engine, built by its own constructor outside Ray Serve."""
     from serve_app.replica import LLMReplica
-    from serve_app.tracing import TracingSettings
 
-    r = object.__new__(LLMReplica.func_or_class)
-    r.tracer = tracing.make_tracer(TracingSettings(), "test")
-    r.slo_tracker = SLOTracker()
-    r.engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, drafter="none"))
-    r.async_engine = AsyncEngine(r.engine)
-    r.replica_id = "r0"
+    settings = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256, "drafter": "none"}
+    r = LLMReplica.func_or_class(settings)
     yield r
     r.async_engine.shutdown()
 
@@ -472,7 +463,7 @@ def test_the_replica_fans_n_choices_out_and_closing_the_stream_aborts_them_all(r
     hits = replica.engine.stats().prefix_cache_hits
     items = collect(replica, chat)
     assert replica.engine.stats().prefix_cache_hits - hits >= 2 * 32  # choices 1 and 2 read choice 0's prompt blocks
-    assert items[0].replica == "r0" and {i.index for i in items} == {0, 1, 2}
+    assert items[0].replica == "local" and {i.index for i in items} == {0, 1, 2}
     lasts = {i.index: i for i in items if i.finished}
     assert sorted(lasts) == [0, 1, 2] and all(d.num_output_tokens == 6 for d in lasts.values())
     long = typed({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "n": 2}, CompletionRequest)
