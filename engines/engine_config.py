@@ -91,7 +91,9 @@ class EngineConfig(BaseModel):
         description="Hot paths: auto = Triton on CUDA, PyTorch on CPU; default $LYANNA_KERNELS",
     )
     quantization: Literal["auto", "none", "int8", "int4", "gguf"] = Field(
-        "auto", description="Target weights on CPU; auto = a GGUF's own 4-bit blocks (the embedded model), else none"
+        "auto",
+        description="Target weights on CPU; auto = a GGUF's own 4-bit blocks (the embedded model), int8 for another "
+        "checkpoint in bf16/fp16, none in fp32 or on CUDA",
     )
     enforce_eager: bool = Field(False, description="The target's eager layers at every step (no fused CPU decoder)")
 

@@ -171,14 +171,17 @@ def gguf_source(model: str | None) -> Path | None:
 
 
 def resolve_quantization(setting: str, model: str | None, dtype: torch.dtype, device: torch.device) -> str:
-    """The quantization a load uses: `setting`, or for "auto" the GGUF's own ("gguf") when the model is a
-    GGUF served in bf16/fp16 on CPU, else "none" (fp32 stays the exact reference; CUDA has no
-    weight-only kernels here yet)."""
+    """The quantization a load uses: `setting`, or for "auto", when the model is served in bf16/fp16 on CPU,
+    the GGUF's own blocks ("gguf") for a GGUF and weight-only "int8" for any other checkpoint (both run the
+    fused CPU decoder; docs/quantization.md has the quality and speed that chose int8), else "none" (fp32
+    stays the exact reference; CUDA has no weight-only kernels here yet)."""
     if setting not in (*QUANTIZATIONS, "auto"):
         raise ValueError(f"quantization must be one of {[*QUANTIZATIONS, 'auto']}, not {setting!r}")
     if setting == "auto":
         half = dtype in (torch.bfloat16, torch.float16)
-        return "gguf" if half and device.type == "cpu" and gguf_source(model) is not None else "none"
+        if not half or device.type != "cpu":
+            return "none"
+        return "gguf" if gguf_source(model) is not None else "int8"
     if setting != "none" and device.type != "cpu":
         raise ValueError(f"quantization {setting!r} runs on CPU only (its weight-only kernels are PyTorch's CPU ones)")
     if setting == "gguf" and gguf_source(model) is None:

@@ -191,7 +191,11 @@ def test_quantization_setting_resolution():
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", None, torch.bfloat16, cpu) == "gguf"  # the embedded model as shipped
     assert resolve_quantization("auto", None, torch.float32, cpu) == "none"  # fp32 stays the exact reference
-    assert resolve_quantization("auto", str(resolve_checkpoint()), torch.bfloat16, cpu) == "none"  # a folder
+    folder = str(resolve_checkpoint())  # a Hugging Face checkpoint folder runs int8 on the fused decoder
+    assert resolve_quantization("auto", folder, torch.bfloat16, cpu) == "int8"
+    assert resolve_quantization("auto", folder, torch.float16, cpu) == "int8"
+    assert resolve_quantization("auto", folder, torch.float32, cpu) == "none"
+    assert resolve_quantization("auto", folder, torch.bfloat16, torch.device("cuda")) == "none"
     with pytest.raises(ValueError, match=r"must be a \.gguf"):
         resolve_quantization("gguf", str(resolve_checkpoint()), torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="CPU only"):
@@ -286,3 +290,14 @@ def test_bf16_conversion_for_the_llama_cpp_peer(tmp_path, monkeypatch):
     want = torch.from_numpy(dequantize(packed, GGMLQuantizationType.Q4_1)).reshape(64, 96).bfloat16().float()
     got = torch.from_numpy(np.asarray(dequantize(v.data, v.tensor_type))).reshape(64, 96)
     assert torch.equal(got, want)
+
+
+def test_a_hugging_face_checkpoint_runs_int8_on_the_fused_decoder_by_default():
+    """A user's bf16 checkpoint folder gets the fast path without asking: int8 weights, the fused decoder."""
+    engine = LLMEngine(EngineConfig(model=str(resolve_checkpoint()), drafter="none", num_kv_blocks=64))
+    assert engine.quantization == "int8"
+    assert engine.model.fused_decoder(engine.kv_cache, 8) is not None
+    req = engine.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(req.output_token_ids) == 8
