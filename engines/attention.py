@@ -39,6 +39,7 @@ class SequenceLayout:
     num_cached: int
     num_new: int
     tree_parents: list[int] | None = None  # parent of each new token among them (-1: none); None = causal
+    num_prompt: int = 0  # of a causal run's new tokens, how many lead ones are prompt tokens (see AttentionMetadata)
 
     @property
     def num_keys(self) -> int:
@@ -77,6 +78,9 @@ class AttentionMetadata:
     tree_masks: torch.Tensor | None = None  # [T, words] int32 ancestor bitmasks of tree tokens; None: no tree
     is_tree: torch.Tensor | None = None  # [B] int32, 1 where the sequence's new tokens are a tree
     parents: torch.Tensor | None = None  # [T] int32 parent of each new token among its sequence's (-1: none); CPU
+    # [B] int32: each causal run's lead prompt tokens, which the fused CPU decoder attends 16 at a time
+    # (kernels/fused_decoder.py); 0 for trees; CPU
+    prompt_tokens: torch.Tensor | None = None
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -261,7 +265,13 @@ def build_attention_metadata(
         tree_masks=tree_masks,
         is_tree=is_tree,
         parents=None if triton else torch.tensor(_flat_parents(seqs), dtype=torch.int32),
+        prompt_tokens=None if triton else torch.tensor([_prompt_tokens(s) for s in seqs], dtype=torch.int32),
     )
+
+
+def _prompt_tokens(seq: SequenceLayout) -> int:
+    """A causal run's lead prompt tokens (0 for a tree)."""
+    return 0 if seq.tree_parents is not None else max(0, min(seq.num_prompt, seq.num_new))
 
 
 def _flat_parents(seqs: list[SequenceLayout]) -> list[int]:

@@ -324,7 +324,7 @@ class LlamaModel(nn.Module):
     def fused_decoder(self, kv_cache: PagedKVCache, num_tokens: int) -> fused_decoder.FusedDecoder | None:
         """The one-call CPU decoder (kernels/fused_decoder.py) for a step of `num_tokens` new tokens over
         `kv_cache`, where it applies; None: the eager layers run."""
-        if self.enforce_eager or not 0 < num_tokens <= fused_decoder.MAX_ROWS:
+        if self.enforce_eager or not 0 < num_tokens <= fused_decoder.max_rows():
             return None
         if self._fused is None or self._fused[0] is not kv_cache.k:
             fused = fused_decoder.FusedDecoder(self, kv_cache) if fused_decoder.applies(self, kv_cache) else None

@@ -67,7 +67,7 @@ class ModelRunner:
         for b in range(plan.num_seqs):
             lo, hi = plan.query_start[b], plan.query_start[b + 1]
             parents = plan.parents[lo:hi] if plan.is_tree[b] else None
-            seqs.append(SequenceLayout(plan.block_tables[b], plan.num_cached[b], hi - lo, parents))
+            seqs.append(SequenceLayout(plan.block_tables[b], plan.num_cached[b], hi - lo, parents, plan.num_prompt[b]))
         width = max(len(t) for t in plan.block_tables)
         tables = self._table_buffer(plan.num_seqs, width)
         fused = self.model.fused_decoder(self.kv, plan.num_tokens)

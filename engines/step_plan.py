@@ -26,6 +26,7 @@ class StepPlan:
     num_cached: list[int] = field(default_factory=list)  # [B] tokens already in the cache
     query_start: list[int] = field(default_factory=lambda: [0])  # [B + 1] offsets of each sequence's tokens
     is_tree: list[bool] = field(default_factory=list)  # [B] new tokens form a draft tree (else a causal run)
+    num_prompt: list[int] = field(default_factory=list)  # [B] of a causal run, how many lead tokens are the prompt's
     token_ids: list[int] = field(default_factory=list)  # [T]
     positions: list[int] = field(default_factory=list)  # [T]
     parents: list[int] = field(default_factory=list)  # [T] parent among the sequence's new tokens, -1 for none
@@ -52,14 +53,17 @@ class StepPlan:
         parents: list[int] | None = None,
         depths: list[int] | None = None,
         logits_rows: list[int] | None = None,
+        num_prompt: int = 0,
     ) -> None:
         """Append one sequence: a causal run of tokens, or a tree (`parents`, `depths`) rooted at cache
-        index `num_cached`; `logits_rows` (indices into its tokens) default to its last token."""
+        index `num_cached`; `logits_rows` (indices into its tokens) default to its last token; `num_prompt`:
+        how many of a run's tokens are prompt tokens (the CPU decoder reads them as a run, model.py)."""
         n = len(token_ids)
         offset = len(self.token_ids)
         self.seq_ids.append(seq_id)
         self.num_cached.append(num_cached)
         self.is_tree.append(parents is not None)
+        self.num_prompt.append(0 if parents is not None else min(num_prompt, n))
         self.token_ids.extend(token_ids)
         if parents is None:
             self.parents.extend(range(-1, n - 1))
@@ -93,5 +97,6 @@ class StepPlan:
             rows = req.prompt_logprob_rows(start, s.num_new_tokens)
             if end == req.num_tokens:
                 rows = [*rows, s.num_new_tokens - 1]
-            plan.add(req.request_id, table, start, req.token_ids(start, end), logits_rows=rows)
+            prompt = max(0, min(end, req.num_prompt_tokens) - start)
+            plan.add(req.request_id, table, start, req.token_ids(start, end), logits_rows=rows, num_prompt=prompt)
         return plan

@@ -11,7 +11,15 @@ whatever else is in its batch (`decoder.c`).
 
 It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU on one rank,
 with an fp32 or bf16 cache, head_dim a multiple of 8 up to 128 and at most 16 query heads per KV head;
-the model runs larger steps (`MAX_ROWS`) and every other configuration through its eager layers.
+the model runs larger steps (`max_rows`) and every other configuration through its eager layers.
+
+On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections go 16 rows
+per tile product (the same numbers as csrc/vnni.c's), and in a bf16 cache a sequence's prompt tokens
+(`AttentionMetadata.prompt_tokens`: never a draft tree's or a generated token's) attend 16 queries at a time
+over their keys, flash-style, with Q, K, P and V in bf16 and fp32 softmax and sums (the eager layers'
+precision). Each prompt token's attention is computed the same way however the prompt is cut into chunks
+(and whatever else is in the batch), as each generated token's is by the one-by-one path: so a prompt read
+from cached blocks plus a short remainder gives what reading it whole gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ if TYPE_CHECKING:
     from engines.model import LlamaModel
     from engines.parallel import PackableLinear
 
-# Rows up to which one call beats the eager layers (above, the projections dominate either way).
+# Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
 MAX_ROWS = 64
+MANY_ROWS = 16384  # rows of one call with AMX (whole prompt chunks)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -80,12 +89,30 @@ class _Batch(ctypes.Structure):
         ("table_width", _i64),
         ("bad", _i64),  # out: the element a failed check points at
         *((name, _p) for name in ("positions", "slots", "query_start", "seq_lens", "block_tables", "parents")),
+        ("runs", _p),  # [B] int32 or NULL
     ]
 
 
 def _integer_dot_weight(linear: PackableLinear) -> bool:
     q = linear.quant
     return q is not None and q.layout in INTEGER_LAYOUTS  # (an fp32 `wide` copy serves only >= 48 rows)
+
+
+PHASES = ("norm", "qkv", "rope", "pack", "attend", "o", "mlp_in", "gate_up", "swiglu", "down")
+
+
+def profile(on: bool) -> dict[str, float]:
+    """Per-phase seconds the fused decoder spent (thread 0's view, summed over calls) since profiling was
+    turned on; `on` turns it on (clearing the sums) or off. Profiling reads a clock a few times per layer."""
+    lib = integer_dot.library()
+    out = (ctypes.c_double * len(PHASES))()
+    lib.decoder_profile(int(on), out)
+    return dict(zip(PHASES, list(out), strict=True))
+
+
+def max_rows() -> int:
+    """The most new tokens one call takes: `MANY_ROWS` where the AMX kernels run, else `MAX_ROWS`."""
+    return MANY_ROWS if integer_dot.amx_active() else MAX_ROWS
 
 
 def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
@@ -255,18 +282,24 @@ class _Layers:
         self._sources_at_build = sources
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Every layer over the new tokens `x` ([T, hidden]); returns the last layer's output, fp32.
+            seq_lens: torch.Tensor, tables: torch.Tensor, parents: torch.Tensor,
+            runs: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Every layer over the new tokens `x` ([T, hidden]); returns the last layer's output, fp32. `runs`
+        ([B]: how many lead new tokens of each sequence are a causal run of prompt tokens; None: none) lets
+        those attend 16 queries at a time (AMX, bf16 cache); the others attend one by one.
 
         Shapes are checked here and every index in C before anything is read or written (`check_batch` of
         decoder.c): ValueError or IndexError name the first bad one."""
         if self._sources() != self._sources_at_build:
             self._build()
-        T, B = x.shape[0], seq_lens.shape[0]
-        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or not 0 < T <= MAX_ROWS:
-            raise ValueError(f"x must be [1..{MAX_ROWS}, {self.cfg.hidden_size}], not {list(x.shape)}")
-        for name, a, n in (("positions", positions, T), ("slots", slots, T), ("parents", parents, T),
-                           ("seq_lens", seq_lens, B), ("query_start", query_start, B + 1)):  # fmt: skip
+        T, B, most = x.shape[0], seq_lens.shape[0], max_rows()
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden_size or not 0 < T <= most:
+            raise ValueError(f"x must be [1..{most}, {self.cfg.hidden_size}], not {list(x.shape)}")
+        checked = [("positions", positions, T), ("slots", slots, T), ("parents", parents, T), ("seq_lens", seq_lens, B),
+                   ("query_start", query_start, B + 1)]  # fmt: skip
+        if runs is not None:
+            checked.append(("runs", runs, B))
+        for name, a, n in checked:
             if a.shape != (n,) or a.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU tensor of {n} entries, not {list(a.shape)} on {a.device}")
         if tables.dim() != 2 or tables.shape[0] < B or tables.device.type != "cpu":
@@ -277,8 +310,10 @@ class _Layers:
         arrays = [positions.to(torch.int64), slots.to(torch.int64), query_start.to(torch.int32),
                   seq_lens.to(torch.int32), parents.to(torch.int32)]  # fmt: skip
         positions, slots, query_start, seq_lens, parents = (a.contiguous() for a in arrays)
+        runs = None if runs is None else runs.to(torch.int32).contiguous()
         batch = _Batch(T, B, tables.stride(0), tables.shape[1], 0, positions.data_ptr(), slots.data_ptr(),
-                       query_start.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(), parents.data_ptr())  # fmt: skip
+                       query_start.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(), parents.data_ptr(),
+                       None if runs is None else runs.data_ptr())  # fmt: skip
         lib, threads = integer_dot.library(), torch.get_num_threads()
         code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
         if code == -1:
@@ -298,6 +333,8 @@ class _Layers:
         if code == 2:
             return ValueError(f"seq_lens[{at}] = {int(seq_lens[at])} is fewer than the sequence's "
                               f"{int(query_start[at + 1] - query_start[at])} new tokens")  # fmt: skip
+        if code == 8:
+            return ValueError(f"runs[{at}] is negative or more than the sequence's new tokens")
         if code == 3:
             return IndexError(f"sequence {at}'s cached tokens need more blocks than its block-table row's "
                               f"{tables.shape[1]}")  # fmt: skip
@@ -312,12 +349,12 @@ class _Layers:
             return IndexError(f"slots[{at}] = {int(slots[at])} is outside the cache's {d.num_slots} slots")
         if code == 7:
             return ValueError(f"parents[{at}] = {int(parents[at])} is neither -1 nor an earlier token of its "
-                              "sequence")  # fmt: skip
+                              "sequence (in a run of prompt tokens: the token before it)")  # fmt: skip
         return RuntimeError(f"the fused decoder failed with code {code}")
 
 
 class FusedDecoder:
-    """Every decoder layer of `model` over `kv_cache`, for up to `MAX_ROWS` new tokens in one call."""
+    """Every decoder layer of `model` over `kv_cache`, for up to `max_rows()` new tokens in one call."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
         if not applies(model, kv_cache):
@@ -334,8 +371,9 @@ class FusedDecoder:
         """Run every layer over the step's new tokens (K/V written to their slots)."""
         if meta.parents is None:
             raise ValueError("the fused decoder needs the step's parents (AttentionMetadata.parents)")
+        tables, runs = meta.block_tables, meta.prompt_tokens
         return self._layers.run(
-            x, positions, meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_tables, meta.parents
+            x, positions, meta.slot_mapping, meta.query_start, meta.seq_lens, tables, meta.parents, runs
         )
 
 

@@ -5,7 +5,8 @@ kernel instead quantizes the activations to int8 in blocks of 32 and multiplies 
 codes as integers, so a step reads each weight byte once and does a quarter of the float work. The same
 library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c) and, for CPUs with
 AVX512-VNNI, products over weights interleaved 16 output rows at a time (csrc/vnni.c), whose cost grows
-far less with the number of activation rows (verified draft trees, batches). The C sources are
+far less with the number of activation rows (verified draft trees, batches); on CPUs with AMX, the same
+products 16 rows per tile product and the attention of long prompt chunks (csrc/amx.c). The C sources are
 compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
 ~/.cache/lyanna-serve/kernels), keyed by the sources' hash; where there is no compiler, no AVX2/FMA, or
 the build fails, `available()` is False and the PyTorch kernels run instead.
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c", "vnni.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c"))
 HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
 # No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined
 # copy of a row's code, and a row's result would then depend on how many rows it was computed with.
@@ -96,10 +97,17 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.decoder_forward.argtypes = [p, p, p, i32]
     lib.decoder_forward.restype = i32
+    lib.decoder_profile.argtypes = [i32, p]
+    lib.decoder_profile.restype = i32
     lib.vnni_gemm.argtypes = [p, p, p, i32, i64, i64, p, p, p, i64, p, i32]
     lib.vnni_gemm.restype = None
     lib.vnni_supported.argtypes = []
     lib.vnni_supported.restype = i32
+    lib.amx_configure.argtypes = [i32]
+    lib.amx_configure.restype = i32
+    lib.amx_active.argtypes = []
+    lib.amx_active.restype = i32
+    lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
     return lib
 
 
@@ -183,6 +191,21 @@ def vnni_supported() -> bool:
     """Whether the kernel builds and this CPU has AVX512-F/BW/VNNI (then `vnni_matmul` runs)."""
     lib = _library()
     return lib is not None and bool(lib.vnni_supported())
+
+
+def amx_active() -> bool:
+    """Whether the AMX kernels (csrc/amx.c) run: this CPU has AMX-INT8/BF16, the OS lets this process use
+    the tiles, and they are not turned off (`set_amx(False)`, or `LYANNA_AMX=0` in the environment)."""
+    lib = _library()
+    return lib is not None and bool(lib.amx_active())
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX kernels on or off for this process (on only where they run); returns whether they are on.
+    Off, the fused decoder computes the same projections through csrc/vnni.c and reads long prompts in
+    pieces of `fused_decoder.MAX_ROWS` rows at most."""
+    lib = _library()
+    return lib is not None and bool(lib.amx_configure(int(on)))
 
 
 def interleave(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -9,8 +9,14 @@
  * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32 or bf16.
  *
  * Every row is computed the same way whatever else is in the batch: the projections row by row
- * (integer_dot.h), and attention over a token's keys in their sequence order (cached tokens, then its
- * ancestors root first), so a draft token accepted at depth d produces exactly what decoding it would.
+ * (integer_dot.h; amx.c's tiles give the same numbers), and attention over a token's keys in their sequence
+ * order (cached tokens, then its ancestors root first), so a draft token accepted at depth d produces
+ * exactly what decoding it would.
+ *
+ * Where amx.c's kernels run (AMX, a bf16 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
+ * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
+ * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
+ * token's result, too, does not depend on the batch nor on where its chunk starts or ends.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -52,6 +58,8 @@ typedef struct {
     const int32_t *seq_lens;     /* [B] cached + new tokens */
     const int32_t *block_tables; /* [B, table_stride] */
     const int32_t *parents;      /* [T] parent among its sequence's new tokens, -1 for none (a chain: i - 1) */
+    const int32_t *runs;         /* [B] how many lead new tokens of the sequence are a causal run of prompt tokens
+                                  * (parents i - 1), which may attend through amx_attend_run; NULL: none */
 } Batch;
 
 /* Activations of `rows` rows of width k as int8 blocks. */
@@ -71,8 +79,10 @@ static void project(const QWeight *w, const Blocks *a, int64_t rows, float *out)
     const int64_t groups = w->k / GROUP, k = w->k, n = w->n;
     if (w->interleaved) {
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads(), blocks = n / 16;
-        vnni_blocks(w->codes, w->scales, w->mins, (int)w->bits, n, k, a->xq, a->dx, a->sx, rows, out,
-                    blocks * t / teams, blocks * (t + 1) / teams);
+        /* amx.c computes the same numbers as vnni.c, 16 rows per tile product */
+        (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, (int)w->bits, n, k, a->xq,
+                                                                a->dx, a->sx, rows, out, blocks * t / teams,
+                                                                blocks * (t + 1) / teams);
 #pragma omp barrier
         return;
     }
@@ -250,12 +260,6 @@ static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *
     return cached + depth;
 }
 
-static int64_t max_keys(const Batch *b) {
-    int64_t most = 0;
-    for (int64_t s = 0; s < b->num_seqs; s++) most = b->seq_lens[s] > most ? b->seq_lens[s] : most;
-    return most;
-}
-
 /* silu(gate) * up for each row of gate_up [T, 2 I] (gate first) into act [T, I]. */
 static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act) {
 #pragma omp for schedule(static)
@@ -278,7 +282,7 @@ static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act
 }
 
 /* What check_batch finds wrong (decoder_forward's return value). */
-enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT };
+enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT, BAD_RUN };
 
 /* Every index the forward reads is checked against what it addresses before anything is read or written,
  * so no batch can drive it outside its tables and cache: query_start starts at 0, never decreases and ends
@@ -301,7 +305,9 @@ static int check_batch(const Decoder *m, Batch *b) {
             if (block < 0 || block >= blocks) return b->bad = s * b->table_width + j, BAD_BLOCK;
         }
         for (int64_t t = first; t < end; t++)
-            if (b->parents[t] < -1 || b->parents[t] >= t - first) return b->bad = t, BAD_PARENT;
+            if (b->parents[t] < -1 || b->parents[t] >= t - first || (b->runs && t < first + b->runs[s] && b->parents[t] != t - first - 1))
+                return b->bad = t, BAD_PARENT;
+        if (b->runs && (b->runs[s] < 0 || b->runs[s] > end - first)) return b->bad = s, BAD_RUN;
     }
     if (b->query_start[B] != T) return b->bad = B, BAD_QUERY_START;
     for (int64_t t = 0; t < T; t++) {
@@ -313,6 +319,110 @@ static int check_batch(const Decoder *m, Batch *b) {
 
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+/* Seconds each part of the forward took on thread 0, summed over calls while profiling is on
+ * (decoder_profile): where a step's time goes (kernels/fused_decoder.py's `profile`). */
+enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE, PHASE_PACK, PHASE_ATTEND, PHASE_O, PHASE_MLP_IN, PHASE_GATE_UP, PHASE_SWIGLU,
+       PHASE_DOWN, NUM_PHASES };
+static int profiling = 0;
+static double phase_seconds[NUM_PHASES];
+
+/* Turn the per-phase timing on (clearing it) or off; `out` (NUM_PHASES doubles, or NULL) gets the sums so far. */
+int decoder_profile(int on, double *out) {
+    if (out)
+        for (int i = 0; i < NUM_PHASES; i++) out[i] = phase_seconds[i];
+    if (on && !profiling)
+        for (int i = 0; i < NUM_PHASES; i++) phase_seconds[i] = 0.0;
+    profiling = on;
+    return NUM_PHASES;
+}
+
+#define MARK(phase)                                                                                          \
+    if (profiling && omp_get_thread_num() == 0) {                                                            \
+        const double now = omp_get_wtime();                                                                  \
+        phase_seconds[phase] += now - mark;                                                                  \
+        mark = now;                                                                                          \
+    }
+
+#define RUN_KEYS 64   /* a run's laid-out keys are padded to a multiple of this */
+#define PACK_KEYS 256 /* keys laid out per task */
+
+/* How many lead new tokens of sequence s attend through amx_attend_run (the rest token by token, attend). */
+static int64_t run_tokens(const Decoder *m, const Batch *b, int64_t s) {
+    return b->runs && amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 ? b->runs[s] : 0;
+}
+
+/* The runs of a batch: per run its sequence, laid-out keys (padded) and where its buffers start; per task
+ * of laying out keys (run, KV head, first key) and of attending (run, query head, first new token). */
+typedef struct {
+    int64_t num_runs, num_pack, num_attend;
+    int64_t *seq, *n_pad, *slot_at, *buf_at; /* [runs] */
+    int64_t *slots;                          /* every run's key slots in sequence order */
+    int64_t (*pack)[3], (*attend)[3];
+    uint16_t *kr, *vt; /* per run and KV head: its keys and values laid out (amx_pack_keys), n_pad * dim each */
+    float *scores;     /* per thread: [RUN_CHUNK][16] (amx_attend_run's scratch) */
+    uint32_t *probs;   /* per thread: [RUN_CHUNK / 2][16] */
+} Runs;
+
+static void free_runs(Runs *r) {
+    free(r->seq);
+    free(r->n_pad);
+    free(r->slot_at);
+    free(r->buf_at);
+    free(r->slots);
+    free(r->pack);
+    free(r->attend);
+    free(r->kr);
+    free(r->vt);
+    free(r->scores);
+    free(r->probs);
+}
+
+/* Lay out the batch's runs; returns 0, or -1 when out of memory. */
+static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
+    memset(r, 0, sizeof *r);
+    const int64_t B = b->num_seqs, D = m->head_dim, bs = m->block_size, Hk = m->num_kv_heads;
+    int64_t runs = 0, keys = 0, padded = 0, pack = 0, attend = 0;
+    for (int64_t s = 0; s < B; s++)
+        if (run_tokens(m, b, s)) {
+            const int64_t num_new = b->query_start[s + 1] - b->query_start[s];
+            const int64_t n = b->seq_lens[s] - num_new + run_tokens(m, b, s), n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+            runs++, keys += n, padded += n_pad;
+            pack += Hk * ((n_pad + PACK_KEYS - 1) / PACK_KEYS);
+            attend += m->num_heads * ((run_tokens(m, b, s) + 15) / 16);
+        }
+    if (runs == 0) return 0;
+    r->num_runs = runs, r->num_pack = pack, r->num_attend = attend;
+    r->seq = malloc(sizeof(int64_t) * runs), r->n_pad = malloc(sizeof(int64_t) * runs);
+    r->slot_at = malloc(sizeof(int64_t) * runs), r->buf_at = malloc(sizeof(int64_t) * runs);
+    r->slots = malloc(sizeof(int64_t) * keys);
+    r->pack = malloc(sizeof(int64_t[3]) * pack), r->attend = malloc(sizeof(int64_t[3]) * attend);
+    const size_t bytes = sizeof(uint16_t) * (size_t)(padded * Hk * D); /* a multiple of 64 (n_pad of 64, D of 32) */
+    r->kr = aligned_alloc(64, bytes), r->vt = aligned_alloc(64, bytes);
+    r->scores = aligned_alloc(64, sizeof(float) * 16 * RUN_CHUNK * (size_t)threads);
+    r->probs = aligned_alloc(64, sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads);
+    if (!r->seq || !r->n_pad || !r->slot_at || !r->buf_at || !r->slots || !r->pack || !r->attend || !r->kr || !r->vt ||
+        !r->scores || !r->probs)
+        return -1;
+    int64_t i = 0, at = 0, buf = 0, p = 0, a = 0;
+    for (int64_t s = 0; s < B; s++) {
+        const int64_t in_run = run_tokens(m, b, s);
+        if (!in_run) continue;
+        const int64_t first = b->query_start[s], num_new = b->query_start[s + 1] - first;
+        const int64_t cached = b->seq_lens[s] - num_new, n = cached + in_run, n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+        const int32_t *table = b->block_tables + s * b->table_stride;
+        r->seq[i] = s, r->n_pad[i] = n_pad, r->slot_at[i] = at, r->buf_at[i] = buf;
+        for (int64_t c = 0; c < cached; c++) r->slots[at + c] = (int64_t)table[c / bs] * bs + c % bs;
+        for (int64_t j = 0; j < in_run; j++) r->slots[at + cached + j] = b->slots[first + j];
+        for (int64_t h = 0; h < Hk; h++)
+            for (int64_t k0 = 0; k0 < n_pad; k0 += PACK_KEYS) r->pack[p][0] = i, r->pack[p][1] = h, r->pack[p++][2] = k0;
+        for (int64_t i0 = 0; i0 < in_run; i0 += 16) /* the longest (latest) tiles first: they end the layer last */
+            for (int64_t h = 0; h < m->num_heads; h++)
+                r->attend[a][0] = i, r->attend[a][1] = h, r->attend[a++][2] = (in_run - 1) / 16 * 16 - i0;
+        at += n, buf += n_pad * Hk * D, i++;
+    }
+    return 0;
+}
+
 /* x [T, hidden] fp32, the residual stream after the embedding, becomes the last layer's output (before the
  * final norm); every layer's K/V of the new tokens are written to their slots. Returns 0, -1 when out of
  * memory, or check_batch's code for a batch that indexes outside its tables (x and the cache are then
@@ -322,27 +432,42 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     if (bad) return bad;
     const int64_t T = b->num_tokens, H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t q_width = m->num_heads * D, kv_width = m->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
-    const int64_t most_keys = max_keys(b), keys = most_keys > 0 ? most_keys : 1, widest = max3(H, q_width, I);
+    const int64_t widest = max3(H, q_width, I), group = m->num_heads / m->num_kv_heads;
     if (threads < 1) threads = 1;
+    /* tokens that attend one by one (decodes, trees, short runs): their keys' slots, per token */
+    int64_t *key_row = malloc(sizeof(int64_t) * T), one_by_one = 0, most_keys = 1;
+    if (key_row)
+        for (int64_t s = 0; s < b->num_seqs; s++) {
+            const int64_t first = b->query_start[s], in_run = run_tokens(m, b, s);
+            if (first + in_run < b->query_start[s + 1] && b->seq_lens[s] > most_keys) most_keys = b->seq_lens[s];
+            for (int64_t t = first; t < b->query_start[s + 1]; t++) key_row[t] = t < first + in_run ? -1 : one_by_one++;
+        }
+    Runs runs;
+    const int runs_failed = plan_runs(m, b, threads, &runs);
     float *h = malloc(sizeof(float) * T * H);                                   /* norms, o and down outputs */
     float *wide = malloc(sizeof(float) * T * (qkv_width > 2 * I ? qkv_width : 2 * I)); /* qkv, gate_up */
     float *act = malloc(sizeof(float) * T * widest);                            /* attention, SwiGLU */
     Blocks a = {malloc(T * widest), malloc(sizeof(float) * T * widest / GROUP), malloc(sizeof(float) * T * widest / GROUP)};
-    int64_t *key_slots = malloc(sizeof(int64_t) * T * keys), *key_counts = malloc(sizeof(int64_t) * T);
-    const int64_t group = m->num_heads / m->num_kv_heads;
-    float *scores = malloc(sizeof(float) * threads * group * keys);
-    const int failed = !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots || !key_counts || !scores;
+    int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
+    int64_t *key_counts = malloc(sizeof(int64_t) * T);
+    float *scores = malloc(sizeof(float) * threads * group * most_keys);
+    const int failed = runs_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
+                       !key_counts || !scores;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *my_scores = scores + omp_get_thread_num() * group * keys;
+            float *my_scores = scores + omp_get_thread_num() * group * most_keys;
+            double mark = omp_get_wtime();
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < T; t++) key_counts[t] = token_keys(m, b, t, key_slots + t * keys);
+            for (int64_t t = 0; t < T; t++)
+                key_counts[t] = key_row[t] < 0 ? 0 : token_keys(m, b, t, key_slots + key_row[t] * most_keys);
             for (int64_t l = 0; l < m->num_layers; l++) {
                 const Layer *layer = &m->layers[l];
                 rms_norm(x, layer->input_norm, T, H, m->eps, h);
                 quantize_rows(h, T, H, &a);
+                MARK(PHASE_NORM)
                 project(&layer->qkv, &a, T, wide);
+                MARK(PHASE_QKV)
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) { /* bias, RoPE on the q and k heads, then K/V to the token's slot */
                     float *row = wide + t * qkv_width;
@@ -354,25 +479,60 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     store_row(layer->v_cache, b->slots[t] * kv_width, row + q_width + kv_width, kv_width,
                               (int)m->cache_bf16);
                 }
+                MARK(PHASE_ROPE)
+                if (runs.num_runs) {
+#pragma omp for schedule(dynamic, 1)
+                    for (int64_t task = 0; task < runs.num_pack; task++) { /* the runs' keys and values, laid out */
+                        const int64_t r = runs.pack[task][0], kvh = runs.pack[task][1], k0 = runs.pack[task][2];
+                        const int64_t n_pad = runs.n_pad[r], end = k0 + PACK_KEYS < n_pad ? k0 + PACK_KEYS : n_pad;
+                        const int64_t at = runs.buf_at[r] + kvh * n_pad * D;
+                        const int64_t s = runs.seq[r], keys = b->seq_lens[s] - (b->query_start[s + 1] - b->query_start[s]) + run_tokens(m, b, s);
+                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kvh, D, runs.slots + runs.slot_at[r], keys,
+                                      runs.kr + at, runs.vt + at, k0, end);
+                    }
+                    MARK(PHASE_PACK)
+#pragma omp for schedule(dynamic, 1) nowait
+                    for (int64_t task = 0; task < runs.num_attend; task++) {
+                        const int64_t r = runs.attend[task][0], head = runs.attend[task][1], i0 = runs.attend[task][2];
+                        const int64_t s = runs.seq[r], first = b->query_start[s], in_run = run_tokens(m, b, s);
+                        const int64_t num_new = b->query_start[s + 1] - first;
+                        const int64_t n_pad = runs.n_pad[r], kvh = head / group, at = runs.buf_at[r] + kvh * n_pad * D;
+                        const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
+                        amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
+                                       runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
+                                       runs.scores + omp_get_thread_num() * 16 * RUN_CHUNK,
+                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
+                    }
+                }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
                 for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
                     const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
-                    attend(wide + t * qkv_width + kv_head * group * D, group, m, layer, kv_head, key_slots + t * keys,
-                           key_counts[t], my_scores, act + t * q_width + kv_head * group * D);
+                    if (key_row[t] < 0) continue;
+                    attend(wide + t * qkv_width + kv_head * group * D, group, m, layer, kv_head,
+                           key_slots + key_row[t] * most_keys, key_counts[t], my_scores,
+                           act + t * q_width + kv_head * group * D);
                 }
+                MARK(PHASE_ATTEND)
                 quantize_rows(act, T, q_width, &a);
                 project(&layer->o, &a, T, h);
                 add_rows(x, h, T, H);
+                MARK(PHASE_O)
                 rms_norm(x, layer->post_norm, T, H, m->eps, h);
                 quantize_rows(h, T, H, &a);
+                MARK(PHASE_MLP_IN)
                 project(&layer->gate_up, &a, T, wide);
+                MARK(PHASE_GATE_UP)
                 swiglu(wide, T, I, act);
                 quantize_rows(act, T, I, &a);
+                MARK(PHASE_SWIGLU)
                 project(&layer->down, &a, T, h);
                 add_rows(x, h, T, H);
+                MARK(PHASE_DOWN)
             }
         }
     }
+    free_runs(&runs);
+    free(key_row);
     free(h);
     free(wide);
     free(act);

@@ -168,4 +168,16 @@ static inline __attribute__((always_inline)) void q8_row(
 void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                  const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
 
+/* amx.c: the AMX kernels (see there); amx_active() says whether amx_configure turned them on. */
+#define RUN_CHUNK 512 /* keys amx_attend_run scores at a time (its scratch: st [RUN_CHUNK][16], pt [RUN_CHUNK / 2][16]) */
+int amx_configure(int want);
+int amx_active(void);
+void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
+void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
+                   const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+                    const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
+                    uint32_t *pt);
+
 #endif

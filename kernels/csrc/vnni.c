@@ -97,14 +97,16 @@ VNNI void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m
     }
 }
 
-/* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads. */
+/* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads (the
+ * same numbers through amx.c's tiles where they run). */
 void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads) {
     const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads();
-        vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, blocks * t / teams, blocks * (t + 1) / teams);
+        (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out,
+                                                                blocks * t / teams, blocks * (t + 1) / teams);
     }
 }
 

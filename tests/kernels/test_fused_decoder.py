@@ -61,9 +61,9 @@ def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(v * inv).double() * d.double()).reshape(x.shape)
 
 
-def reference_layers(model, x, positions, seqs, kv, slots) -> torch.Tensor:
+def reference_layers(model, x, positions, seqs, kv, slots, block: int = BLOCK) -> torch.Tensor:
     """The layers in fp64 over the dequantized weights, activations as int8 blocks, K/V rounded to the
-    cache's dtype; writes the new tokens' K/V into `kv` as the kernel does."""
+    cache's dtype (of `block` slots a block); writes the new tokens' K/V into `kv` as the kernel does."""
     cfg = model.cfg
     D, Hq, Hk = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     cos, sin = model.rotary.cos[positions].double()[:, None], model.rotary.sin[positions].double()[:, None]
@@ -87,7 +87,7 @@ def reference_layers(model, x, positions, seqs, kv, slots) -> torch.Tensor:
         k = rope(qkv[:, Hq * D : (Hq + Hk) * D].view(-1, Hk, D))
         v = qkv[:, (Hq + Hk) * D :].view(-1, Hk, D)
         kv.k[i][slots], kv.v[i][slots] = k.to(kv.k.dtype), v.to(kv.v.dtype)
-        attn = reference_paged_attention(q, kv.k[i].double(), kv.v[i].double(), seqs, BLOCK, D**-0.5)
+        attn = reference_paged_attention(q, kv.k[i].double(), kv.v[i].double(), seqs, block, D**-0.5)
         x = x + linear(attn, layer.attn.o_proj)
         gate, up = linear(rms(x, layer.post_attn_norm.weight), layer.mlp.gate_up_proj).chunk(2, -1)
         x = x + linear(F.silu(gate) * up, layer.mlp.down_proj)
@@ -217,8 +217,10 @@ def test_where_it_applies():
     kv = PagedKVCache(2, 2, 16, 64, BLOCK, torch.float32, "cpu")
     assert fused_decoder.applies(model, kv)
     assert not fused_decoder.applies(model, PagedKVCache(2, 2, 16, 64, BLOCK, torch.float16, "cpu"))
-    assert model.fused_decoder(kv, fused_decoder.MAX_ROWS) is not None
-    assert model.fused_decoder(kv, fused_decoder.MAX_ROWS + 1) is None  # many rows: the eager layers
+    most = fused_decoder.max_rows()  # MAX_ROWS, or MANY_ROWS where the AMX kernels run
+    assert most == (fused_decoder.MANY_ROWS if integer_dot.amx_active() else fused_decoder.MAX_ROWS)
+    assert model.fused_decoder(kv, most) is not None
+    assert model.fused_decoder(kv, most + 1) is None  # more rows: the eager layers
     model.enforce_eager = True
     assert model.fused_decoder(kv, 1) is None
     model.enforce_eager = False

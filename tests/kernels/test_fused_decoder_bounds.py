@@ -41,7 +41,7 @@ def edited(t: torch.Tensor, index, value: int) -> torch.Tensor:
 def bad_batches(meta: AttentionMetadata, positions: torch.Tensor, max_positions: int):
     """(what is wrong, positions, metadata, the error it must raise, its message) for each index C reads."""
     qs, lens, tables, parents = meta.query_start, meta.seq_lens, meta.block_tables, meta.parents
-    assert parents is not None
+    assert parents is not None and meta.prompt_tokens is not None
     cases = [
         ("position past the rotary table", edited(positions, 3, max_positions), {}, IndexError, "positions\\[3\\]"),
         ("negative position", edited(positions, 0, -1), {}, IndexError, "positions\\[0\\]"),
@@ -73,6 +73,10 @@ def bad_batches(meta: AttentionMetadata, positions: torch.Tensor, max_positions:
         ("query_start not one longer than seq_lens", positions, {"query_start": qs[:-1]}, ValueError, "query_start"),
         ("fewer table rows than sequences", positions, {"block_tables": tables[:3]}, ValueError, "block_tables"),
         ("no parents", positions, {"parents": None}, ValueError, "parents"),
+        ("more prompt tokens than new tokens", positions, {"prompt_tokens": edited(meta.prompt_tokens, 2, 6)},
+         ValueError, "runs\\[2\\]"),
+        ("a tree read as a run of prompt tokens", positions, {"prompt_tokens": edited(meta.prompt_tokens, 1, 3)},
+         ValueError, "parents\\[3\\]"),
     ]  # fmt: skip
     for what, pos, fields, error, match in cases:
         yield what, pos, replace(meta, **fields), error, match
@@ -84,7 +88,7 @@ def test_every_bad_index_raises_and_touches_nothing(setup):
     snapshot = (kv.k.clone(), kv.v.clone())
     good = decoder(x.clone(), positions, meta)  # the unedited batch runs
     cases = list(bad_batches(meta, positions, model.rotary.cos.shape[0]))
-    assert len(cases) == 22
+    assert len(cases) == 24
     for what, pos, bad_meta, error, match in cases:
         kv.k.copy_(snapshot[0])
         kv.v.copy_(snapshot[1])
@@ -104,7 +108,7 @@ def test_row_count_is_checked(setup):
         decoder(torch.randn(len(positions) + 1, 160), positions, meta)  # more rows than the batch's tokens
     with pytest.raises(ValueError, match="x must be"):
         decoder(torch.randn(len(positions), 128), positions, meta)  # not the hidden size
-    rows = fused_decoder.MAX_ROWS + 1
+    rows = fused_decoder.max_rows() + 1
     with pytest.raises(ValueError, match="x must be"):
         decoder(torch.randn(rows, 160), torch.arange(rows), meta)
 

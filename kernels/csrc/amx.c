@@ -1,0 +1,370 @@
+/* Many-row kernels on CPUs with AMX (Advanced Matrix Extensions: tile registers and tile dot products).
+ *
+ * Projections (amx_blocks): the same function as vnni.c's, bit for bit. For 16 activation rows at a time
+ * one tile product (TDPBSUD: signed int8 activations x unsigned weight codes, exact int32 sums) computes a
+ * group of 32 inputs for 16 output rows and 16 activation rows; vnni.c's weight layout is already the
+ * tile's B layout (4 consecutive inputs of 16 rows per 64 bytes; 4-bit codes are unpacked once per block
+ * of 16 rows and call). Each group's sums are then scaled and accumulated in fp32 with exactly vnni.c's
+ * operations and order, so a row's output does not depend on whether it went through a tile or vnni.c.
+ * Rows past the last whole tile of 16 go through vnni.c.
+ *
+ * Attention of a causal run of new tokens (a prefill chunk) over its paged keys (amx_attend_run):
+ * flash-style, 16 queries of one head at a time against 64 keys at a time, with an online softmax in
+ * fp32. Q, K, P and V enter the tile products in bf16 (as PyTorch's CPU flash attention does for a bf16
+ * cache); scores, the softmax and the accumulators are fp32. Each sequence's keys of one KV head are laid
+ * out once per layer for the tiles (amx_pack_keys): K as dim pairs x keys, V as key pairs x dims.
+ *
+ * Everything here needs AMX-TILE, AMX-INT8, AMX-BF16 and AVX512-BF16, and Linux's permission to use the
+ * tile data (arch_prctl ARCH_REQ_XCOMP_PERM); `amx_configure` checks both at run time. Compilers without
+ * AMX support build stubs, and `amx_configure` then reports AMX as off.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "integer_dot.h"
+
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+static int amx_on = 0; /* set by amx_configure */
+
+int amx_active(void) { return amx_on; }
+
+#if HAVE_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_FN __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    const int tiles = (d >> 24) & 1, int8 = (d >> 25) & 1, bf16 = (d >> 22) & 1;
+    if (!tiles || !int8 || !bf16) return 0;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return 0; /* AVX512-BF16 */
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vnni"))
+        return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Turn the AMX kernels on (want != 0) where this CPU and OS run them, or off; returns whether they are on. */
+int amx_configure(int want) {
+    static int usable = -1;
+    if (usable < 0) usable = amx_usable();
+    amx_on = want && usable;
+    return amx_on;
+}
+
+/* Tiles 0-3: int32 sums [16 rows x 16 outputs]; 4 and 6: activations [16 rows x 32 int8]; 5 and 7: weight
+ * codes [8 rows x 64 bytes] (32 inputs x 16 outputs). */
+static AMX_FN void config_int8(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t >= 4 && t % 2 ? 8 : 16;
+        cfg.colsb[t] = t >= 4 && t % 2 == 0 ? 32 : 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Every tile [16 rows x 64 bytes] (bf16: 16 x 32 values; fp32: 16 x 16). */
+static AMX_FN void config_bf16(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* acc[r] += group g's sums (tile rows) scaled as vnni.c's block_rows does, for 16 activation rows. */
+static inline AMX_FN __attribute__((always_inline)) void scale_group(
+    const int32_t (*sums)[16], __m512 scale, __m512 minimum, const float *dx, const float *sx, int64_t groups,
+    __m512 *acc) {
+    for (int r = 0; r < 16; r++) {
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)sums[r])), s, acc[r]);
+        acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sx[r * groups]), acc[r]);
+    }
+}
+
+/* Blocks [b0, b1) of out [rows, n] fp32 = activations @ W.T for a weight in vnni.c's layout: what
+ * vnni_blocks computes, bit for bit (whole tiles of 16 rows here, the rest through it). */
+AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                       const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
+                       int64_t b1) {
+    const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8, whole = rows / 16 * 16;
+    if (whole == 0 || b0 >= b1) {
+        vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+        return;
+    }
+    uint8_t *unpacked = NULL;
+    if (bits == 4 && posix_memalign((void **)&unpacked, 64, (size_t)groups * 512)) {
+        vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+        return;
+    }
+    config_int8();
+    int32_t sums[2][16][16] __attribute__((aligned(64)));
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *w = codes + b * block_bytes;
+        if (bits == 4) { /* group g's 4-input steps 2p and 2p + 1 are the low and high nibbles of its 64 bytes p */
+            for (int64_t g = 0; g < groups; g++)
+                for (int p = 0; p < 4; p++) {
+                    const __m512i packed = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * p));
+                    _mm512_store_si512((void *)(unpacked + g * 512 + 128 * p), _mm512_and_si512(packed, low));
+                    _mm512_store_si512((void *)(unpacked + g * 512 + 128 * p + 64),
+                                       _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+                }
+            w = unpacked;
+        }
+        const uint16_t *bd = d + b * groups * 16, *bm = m + b * groups * 16;
+        for (int64_t r0 = 0; r0 < whole; r0 += 16) {
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            const int8_t *x = xq + r0 * k;
+            const float *rdx = dx + r0 * groups, *rsx = sx + r0 * groups;
+            /* Two groups in flight (tiles 0 and 1): the second's product runs while the first's sums are scaled. */
+#define GROUP_SUMS(J, A, B, G)                                                                               \
+    do {                                                                                                     \
+        _tile_zero(J);                                                                                       \
+        _tile_loadd(A, x + (G) * GROUP, k);                                                                  \
+        _tile_loadd(B, w + (G) * 512, 64);                                                                   \
+        _tile_dpbsud(J, A, B);                                                                               \
+    } while (0)
+#define SCALE(J, G)                                                                                          \
+    do {                                                                                                     \
+        _tile_stored(J, sums[J], 64);                                                                        \
+        scale_group((const int32_t (*)[16])sums[J],                                                          \
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bd + (G) * 16))),                   \
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bm + (G) * 16))), rdx + (G), rsx + (G), \
+                    groups, acc);                                                                            \
+    } while (0)
+            int64_t g = 0;
+            for (; g + 2 <= groups; g += 2) {
+                GROUP_SUMS(0, 4, 5, g);
+                GROUP_SUMS(1, 6, 7, g + 1);
+                SCALE(0, g);
+                SCALE(1, g + 1);
+            }
+            if (g < groups) {
+                GROUP_SUMS(0, 4, 5, g);
+                SCALE(0, g);
+            }
+#undef GROUP_SUMS
+#undef SCALE
+            for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + (r0 + r) * n + 16 * b, acc[r]);
+        }
+    }
+    _tile_release();
+    free(unpacked);
+    if (whole < rows)
+        vnni_blocks(codes, d, m, bits, n, k, xq + whole * k, dx + whole * groups, sx + whole * groups, rows - whole,
+                    out + whole * n, b0, b1);
+}
+
+/* One sequence's keys and values 0..n of one KV head (slots[i]: the cache slot of key i; cache rows `row`
+ * values apart, bf16) laid out for amx_attend_run's tiles, keys n.. zero: kr [keys / 16][dim / 32][16][32]
+ * (a tile of 16 keys x 32 dims is 1 KiB in a row), vt [keys / 32][dim][32] (V transposed per 32 keys).
+ * Keys [k0, k1) only, multiples of 32. */
+AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
+                          const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
+    for (int64_t j0 = k0; j0 < k1; j0 += 32) {
+        const uint16_t *values[32];
+        for (int64_t j = 0; j < 32; j++) values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : NULL;
+        uint16_t *block = vt + j0 * dim; /* [dim][32] */
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t j = 0; j < 32; j++) block[d * 32 + j] = values[j] ? values[j][d] : 0;
+        for (int64_t j = j0; j < j0 + 32; j++) {
+            uint16_t *tile = kr + (j / 16) * 16 * dim + (j % 16) * 32;
+            for (int64_t h = 0; h < dim / 32; h++) {
+                if (j < n)
+                    memcpy(tile + h * 512, k_cache + slots[j] * row + kv_head * dim + 32 * h, 32 * sizeof(uint16_t));
+                else
+                    memset(tile + h * 512, 0, 32 * sizeof(uint16_t));
+            }
+        }
+    }
+}
+
+/* 2^x, about 1.3 ulp (a minimax polynomial on [-0.5, 0.5]); x = -inf gives NaN, which callers mask to 0. */
+static inline AMX_FN __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.326697994954884e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675469249486923e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550742521882057e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212172746658e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* S^T of key tile kt + T (16 keys x 16 queries): K rows (A: tile K) times Q^T (B: tile 4). */
+#define S_TILE(T, K)                                                                                         \
+    _tile_loadd(K, kr + (kt + (T)) * 16 * dim + 512 * h, 64);                                                \
+    _tile_dpbf16ps(T, K, 4);
+
+/* O^T dims 16 (j0 + T).. += V^T (A: tile V) times P^T (B: tile 4), over the 32 keys from 32 i. */
+#define PV_TILE(T, V)                                                                                        \
+    if (j0 + (T) < dim / 16) {                                                                               \
+        _tile_loadd(V, vt + 32 * i * dim + 16 * (j0 + (T)) * 32, 64);                                        \
+        _tile_dpbf16ps(T, V, 4);                                                                             \
+    }
+
+/* Attention of `rows` (<= 16) consecutive tokens of a causal run for one query head: row r (q + r q_stride,
+ * fp32, dim values) sees keys [0, limit + r) of its sequence; out + r out_stride = softmax(q K^T scale) V,
+ * fp32. Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
+ * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [RUN_CHUNK][16] fp32), their
+ * maximum, their probabilities (pt: [RUN_CHUNK / 2][16] pairs of bf16), P V; the sums so far are rescaled
+ * when the maximum grows (an online softmax over chunks). dim: 32, 64, 96 or 128. */
+AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+                           const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
+                           uint32_t *pt) {
+    uint32_t qt[4][16][16] __attribute__((aligned(64))); /* per 32 dims: [dim pair][query] bf16 pairs */
+    float part[4][16][16] __attribute__((aligned(64)));  /* a chunk's O^T tiles: [dim][query] */
+    float acc[128][16] __attribute__((aligned(64)));     /* O^T: [dim][query] */
+    const float c = scale * 1.44269504088896341f;       /* scores in base 2 */
+    for (int64_t p = 0; p < dim / 2; p++)
+        for (int r = 0; r < 16; r++) {
+            const float a = r < rows ? q[r * q_stride + 2 * p] * c : 0.0f, b = r < rows ? q[r * q_stride + 2 * p + 1] * c : 0.0f;
+            qt[p / 16][p % 16][r] = (uint32_t)float_to_bf16(a) | (uint32_t)float_to_bf16(b) << 16;
+        }
+    for (int64_t d = 0; d < dim; d++) _mm512_store_ps(acc[d], _mm512_setzero_ps());
+    const int64_t end = limit + rows - 1; /* keys the last row sees */
+    /* key j is visible to lanes r with r < rows and r >= j - limit + 1: every lane for j < limit */
+    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+#define SEEN(j) ((j) < limit ? lanes : (j) - limit + 1 >= 16 || (j) >= end ? (__mmask16)0 : (__mmask16)(lanes & (0xffffu << ((j) - limit + 1))))
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 best = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    config_bf16();
+    for (int64_t k0 = 0; k0 < end; k0 += RUN_CHUNK) {
+        const int64_t k1 = k0 + RUN_CHUNK < end ? k0 + RUN_CHUNK : end; /* keys [k0, k1) */
+        const int64_t tiles = (k1 - k0 + 15) / 16, padded = (k1 - k0 + 31) / 32 * 32;
+        for (int64_t t0 = 0; t0 < tiles; t0 += 4) { /* S^T, four key tiles at a time */
+            const int64_t kt = k0 / 16 + t0;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t h = 0; h < dim / 32; h++) {
+                _tile_loadd(4, qt[h], 64);
+                S_TILE(0, 6)
+                if (t0 + 1 < tiles) { S_TILE(1, 7) }
+                if (t0 + 2 < tiles) { S_TILE(2, 6) }
+                if (t0 + 3 < tiles) { S_TILE(3, 7) }
+            }
+            _tile_stored(0, st + t0 * 256, 64);
+            if (t0 + 1 < tiles) _tile_stored(1, st + (t0 + 1) * 256, 64);
+            if (t0 + 2 < tiles) _tile_stored(2, st + (t0 + 2) * 256, 64);
+            if (t0 + 3 < tiles) _tile_stored(3, st + (t0 + 3) * 256, 64);
+        }
+        const int64_t open = (limit < k1 ? limit : k1) - k0; /* keys of the chunk every lane sees */
+        __m512 m0 = best, m1 = best, m2 = best, m3 = best;
+        int64_t j = 0;
+        for (; j + 4 <= open; j += 4) {
+            m0 = _mm512_max_ps(m0, _mm512_load_ps(st + 16 * j));
+            m1 = _mm512_max_ps(m1, _mm512_load_ps(st + 16 * (j + 1)));
+            m2 = _mm512_max_ps(m2, _mm512_load_ps(st + 16 * (j + 2)));
+            m3 = _mm512_max_ps(m3, _mm512_load_ps(st + 16 * (j + 3)));
+        }
+        for (; j < k1 - k0; j++) m0 = _mm512_mask_max_ps(m0, SEEN(k0 + j), m0, _mm512_load_ps(st + 16 * j));
+        const __m512 most = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+        /* 2^(old max - new max): 0 for the first chunk (old = -inf) and lanes of no row, exactly 1 where the
+         * maximum stays (a row's result must not depend on chunks of keys it does not see) */
+        const __mmask16 grew = _mm512_cmp_ps_mask(best, most, _CMP_NEQ_OQ);
+        const __m512 alpha = _mm512_mask_mov_ps(
+            _mm512_set1_ps(1.0f), grew,
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(best, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ) & lanes,
+                                exp2_16(_mm512_sub_ps(best, most))));
+        best = most;
+        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+        for (j = 0; j < padded; j += 2) {
+            __m512 p0, p1;
+            if (j + 2 <= open) {
+                p0 = exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * j), most));
+                p1 = exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * (j + 1)), most));
+            } else {
+                p0 = k0 + j < end ? _mm512_maskz_mov_ps(SEEN(k0 + j), exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * j), most)))
+                                  : _mm512_setzero_ps();
+                p1 = k0 + j + 1 < end
+                         ? _mm512_maskz_mov_ps(SEEN(k0 + j + 1), exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * (j + 1)), most)))
+                         : _mm512_setzero_ps();
+            }
+            sum0 = _mm512_add_ps(sum0, p0);
+            sum1 = _mm512_add_ps(sum1, p1);
+            _mm512_store_si512((void *)(pt + 8 * j), _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+        }
+        total = _mm512_fmadd_ps(total, alpha, _mm512_add_ps(sum0, sum1));
+        for (int64_t j0 = 0; j0 < dim / 16; j0 += 4) { /* O^T += V^T P^T, four tiles of 16 dims at a time */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t i = k0 / 32; i < k0 / 32 + padded / 32; i++) {
+                _tile_loadd(4, pt + 16 * 16 * (i - k0 / 32), 64);
+                PV_TILE(0, 6)
+                PV_TILE(1, 7)
+                PV_TILE(2, 6)
+                PV_TILE(3, 7)
+            }
+            _tile_stored(0, part[0], 64);
+            _tile_stored(1, part[1], 64);
+            _tile_stored(2, part[2], 64);
+            _tile_stored(3, part[3], 64);
+            const int64_t width = (dim / 16 - j0 < 4 ? dim / 16 - j0 : 4) * 16;
+            for (int64_t d = 0; d < width; d++)
+                _mm512_store_ps(acc[16 * j0 + d], _mm512_fmadd_ps(_mm512_load_ps(acc[16 * j0 + d]), alpha,
+                                                                  _mm512_load_ps(part[d / 16][d % 16])));
+        }
+    }
+#undef SEEN
+    _tile_release();
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
+    for (int64_t d = 0; d < dim; d++) {
+        float o[16] __attribute__((aligned(64)));
+        _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
+        for (int64_t r = 0; r < rows; r++) out[r * out_stride + d] = o[r];
+    }
+}
+
+#else /* no AMX in this compiler: never on */
+int amx_configure(int want) {
+    (void)want;
+    amx_on = 0;
+    return 0;
+}
+void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1) {
+    vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+}
+void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
+                   const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
+    (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt;
+    (void)k0, (void)k1;
+}
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+                    const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
+                    uint32_t *pt) {
+    (void)q, (void)q_stride, (void)rows, (void)limit, (void)kr, (void)vt, (void)dim, (void)scale, (void)out;
+    (void)out_stride, (void)st, (void)pt;
+}
+#endif

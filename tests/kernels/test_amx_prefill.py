@@ -1,0 +1,160 @@
+"""The AMX kernels of the fused CPU decoder (kernels/csrc/amx.c): projections of many rows equal csrc/vnni.c's bit
+for bit; prompt tokens attend as runs whose results do not depend on how the prompt is cut into chunks or what else
+is in the batch, at least as accurately as the eager layers; generated tokens keep the one-by-one path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.attention import SequenceLayout, build_attention_metadata
+from engines.config import ModelConfig
+from engines.kv_cache import PagedKVCache
+from engines.model import LlamaModel
+from kernels import fused_decoder, integer_dot
+from kernels.quantized_linear import quantize
+from tests.kernels.test_fused_decoder import reference_layers
+
+pytestmark = pytest.mark.skipif(
+    not integer_dot.available() or not integer_dot.amx_active(), reason="no AMX CPU (or kernel) here"
+)
+
+BLOCK = 16
+HIDDEN = 256
+
+
+@pytest.fixture
+def amx_off_after():
+    """Leaves the AMX kernels on whatever a test does."""
+    yield
+    integer_dot.set_amx(True)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_many_row_projections_equal_the_vnni_kernel_bit_for_bit(kind, amx_off_after):
+    torch.manual_seed(0)
+    weight = quantize(kind, torch.randn(96, 576), "vnni")  # 18 groups: pairs of groups in flight, no tail
+    odd = quantize(kind, torch.randn(32, 160), "vnni")  # 5 groups: the tail group
+    for w in (weight, odd):
+        x = torch.randn(53, w.in_features).bfloat16()
+        tiles = [w.matmul(x[:rows], torch.float32) for rows in (16, 37, 53)]
+        integer_dot.set_amx(False)
+        rows = [w.matmul(x[:r], torch.float32) for r in (16, 37, 53)]
+        integer_dot.set_amx(True)
+        for a, b in zip(tiles, rows, strict=True):
+            assert torch.equal(a, b)
+
+
+def model64(seed: int = 0) -> LlamaModel:
+    """A random bf16 Llama with heads of 64 (6 query / 2 KV heads) and int4 weights in the default layout."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=512, num_layers=2, num_heads=6,
+                      num_kv_heads=2, head_dim=64)  # fmt: skip
+    model = LlamaModel(cfg, torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.08)
+    for layer in model.layers:
+        layer.input_norm.weight.data.uniform_(0.5, 1.5)
+        layer.post_attn_norm.weight.data.uniform_(0.5, 1.5)
+        for lin in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin.quantize("int4")
+    return model
+
+
+def cache(blocks: int = 64) -> PagedKVCache:
+    kv = PagedKVCache(2, 2, 64, blocks, BLOCK, torch.bfloat16, "cpu")
+    kv.allocate("pad", 40)  # the sequences' blocks do not start at block 0
+    return kv
+
+
+def read(decoder, kv: PagedKVCache, seq: str, x: torch.Tensor, start: int, prompt: int) -> torch.Tensor:
+    """Rows `x` of sequence `seq` from cache index `start` (its first `prompt` rows prompt tokens)."""
+    n = x.shape[0]
+    kv.allocate(seq, start + n)
+    layout = SequenceLayout(kv.block_tables[seq], start, n, num_prompt=prompt)
+    meta = build_attention_metadata([layout], BLOCK, "cpu", cpu_groups=False)
+    return decoder(x.clone(), torch.arange(start, start + n), meta)
+
+
+def slots_of(kv: PagedKVCache, seq: str, n: int) -> torch.Tensor:
+    table = torch.tensor(kv.block_tables[seq])
+    idx = torch.arange(n)
+    return table[idx // BLOCK] * BLOCK + idx % BLOCK
+
+
+@pytest.mark.parametrize("cuts", [[37, 63], [64, 1, 35], [16, 16, 68], [530, 70], [17, 600, 3]])
+def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts):
+    """Every prompt token's output and K/V, read in one call or in chunks (over the chunks before it in the
+    cache), are equal bit for bit (also past the 512 keys a run attends over at a time)."""
+    model = model64()
+    n = sum(cuts)
+    x = torch.randn(n, HIDDEN)
+    kv = cache(128)
+    whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, n)
+    parts, start = [], 0
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    for n in cuts:
+        parts.append(read(decoder, kv, "cut", x[start : start + n], start, n))
+        start += n
+    assert torch.equal(torch.cat(parts), whole)
+    a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
+    assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
+
+
+def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_one_by_one():
+    """A decode row computes the same alone and beside a prompt's run; a chunk that recomputes a prompt and
+    the tokens generated after it (a preempted request) reproduces the generated tokens' rows as decoding
+    them did, bit for bit."""
+    model = model64(1)
+    kv = cache()
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    x = torch.randn(45, HIDDEN)
+    prompt = read(decoder, kv, "a", x[:40], 0, 40)
+    decoded = [read(decoder, kv, "a", x[i : i + 1], i, 0) for i in range(40, 45)]
+
+    # the same again in one chunk: 40 prompt tokens, then the 5 generated ones
+    again = read(decoder, kv, "b", x, 0, 40)
+    assert torch.equal(again[:40], prompt)
+    assert torch.equal(again[40:], torch.cat(decoded))
+
+    # a decode of "a" alone, then beside another sequence's 70-token prompt chunk
+    kv.allocate("a", 46)
+    kv.allocate("c", 70)
+    row = torch.randn(1, HIDDEN)
+    step = SequenceLayout(kv.block_tables["a"], 45, 1)
+    alone = decoder(row.clone(), torch.tensor([45]), build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))
+    chunk = SequenceLayout(kv.block_tables["c"], 0, 70, num_prompt=70)
+    both = decoder(torch.cat([row, torch.randn(70, HIDDEN)]), torch.cat([torch.tensor([45]), torch.arange(70)]),
+                   build_attention_metadata([step, chunk], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
+    assert torch.equal(both[0], alone[0])
+
+
+def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
+    """Against the layers in fp64 (activations as int8 blocks, K/V in bf16), the fused decoder's prompt
+    runs (bf16 Q, K, P, V) stay within the eager layers' error, over cached tokens and without."""
+    model = model64(2)
+    for cached, new in ((0, 90), (37, 120)):
+        kv = cache()
+        kv.allocate("s", cached + new)
+        for layer in range(2):
+            kv.k[layer].normal_()
+            kv.v[layer].normal_()
+        snapshot = (kv.k.clone(), kv.v.clone())
+        seqs = [SequenceLayout(kv.block_tables["s"], cached, new, num_prompt=new)]
+        ids, positions = torch.randint(0, 96, (new,)), torch.arange(cached, cached + new)
+        model._fused = None
+        model.enforce_eager = True
+        _, eager = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+        kv.k.copy_(snapshot[0])
+        kv.v.copy_(snapshot[1])
+        model.enforce_eager = False
+        assert model.fused_decoder(kv, new) is not None
+        _, fused = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+        ref_kv = PagedKVCache(2, 2, 64, 64, BLOCK, torch.bfloat16, "cpu")
+        ref_kv.k.copy_(snapshot[0])
+        ref_kv.v.copy_(snapshot[1])
+        meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+        ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
+                                          meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
+        fused_error, eager_error = (float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
+        assert fused_error <= eager_error, (cached, new, fused_error, eager_error)
