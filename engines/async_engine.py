@@ -1,11 +1,15 @@
 """Asyncio front of the engine: `generate()` yields deltas, `abort()` stops a request.
 
 The engine's step loop runs in one background thread (model forwards release the GIL, so the event
-loop stays responsive). Requests come typed (`GenerationRequest`, fields validated by their maker);
-they are admitted and tokenized in the caller, handed to the loop thread through a locked inbox, and
-their deltas come back through per-request asyncio queues; deltas that piled up while a consumer was
-busy come out merged, so a slow consumer costs fewer messages. A consumer that stops iterating (a
-client that disconnects) aborts its request and frees its KV blocks.
+loop stays responsive). Given a factory, the loop thread also builds the engine, so that it is the one
+thread in the process that runs OpenMP regions: GNU OpenMP counts the threads of every team, and once
+two exist (the model loaded in one thread, stepped in another) they outnumber the cores, its threads
+stop spinning at barriers and sleep in the kernel instead, and a step gets much slower
+(docs/serving.md, "Served under load"). Requests come typed (`GenerationRequest`, fields validated by
+their maker); they are admitted and tokenized in the caller, handed to the loop thread through a
+locked inbox, and their deltas come back through per-request asyncio queues; deltas that piled up
+while a consumer was busy come out merged, so a slow consumer costs fewer messages. A consumer that
+stops iterating (a client that disconnects) aborts its request and frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engines.engine import LLMEngine
 from engines.errors import EngineDeadError, InvalidRequestError
@@ -25,8 +29,9 @@ log = logging.getLogger(__name__)
 class AsyncEngine:
     """Runs an `LLMEngine` in a background thread and serves many concurrent async consumers."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        """`engine`, or a factory the loop thread calls to build it (returns once it is built; raises
+        what the factory raised)."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._new: list[Request] = []
@@ -34,8 +39,16 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._built = threading.Event()
+        factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
+        if factory is None:
+            self.engine = engine
+            self._built.set()
+        self._thread = threading.Thread(target=self._loop, args=(factory,), name="engine-loop", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
 
     @property
     def is_running(self) -> bool:
@@ -93,14 +106,26 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     # ---- loop thread ---------------------------------------------------------------------------
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, items: list[RequestOutput]) -> None:
+        """Hand a step's deltas to their consumers: one wake-up per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
-            target = self._streams.get(rid)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            for item in items:
+                target = self._streams.get(item.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
-    def _loop(self) -> None:
+    def _loop(self, factory: Callable[[], LLMEngine] | None) -> None:
+        if factory is not None:
+            try:
+                self.engine = factory()
+            except BaseException as exc:  # the constructor re-raises it
+                self._error = exc
+                return
+            finally:
+                self._built.set()
         try:
             while not self._stopped:
                 with self._lock:
@@ -108,16 +133,14 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                 for req in new:
                     self.engine.add(req)
-                for rid in aborts:
-                    out = self.engine.abort(rid)
-                    if out is not None:
-                        self._deliver(rid, out)
+                aborted = [out for out in map(self.engine.abort, aborts) if out is not None]
+                if aborted:
+                    self._deliver(aborted)
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver(self.engine.step())
         except BaseException as exc:  # a fault in the model or scheduler: fail every waiter loudly
             log.exception("engine loop crashed")
             self._error = exc
@@ -127,3 +150,8 @@ class AsyncEngine:
                 streams = list(self._streams.items())
             for _rid, (loop, queue) in streams:
                 loop.call_soon_threadsafe(queue.put_nowait, err)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)

@@ -384,7 +384,9 @@ class Ingress:
     ):
         """`spec_default` and `spec_policy` are the replicas' engine settings (the app builds both from
         one `EngineSettings`): a request's speculation overrides are completed and checked against them."""
-        self.llm = llm.options(stream=True)
+        # Streams come over gRPC straight from the replica (Serve's by-value transport) rather than as
+        # one Ray object per delta: less CPU per token at the ingress (docs/serving.md, "Served under load").
+        self.llm = llm.options(stream=True, _by_reference=False)
         self.llm_unary = llm
         self.slo = SLOSettings.model_validate(slo_settings or {})
         self.spec_default = spec_default or SpecParams()

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 from pydantic import Field
@@ -122,8 +123,10 @@ class LLMReplica:
         self.settings = EngineSettings.model_validate(settings or {})
         self.slo_tracker = SLOTracker()
         self.tracer = tracing.make_tracer(TracingSettings.model_validate(tracing_settings or {}), "replica")
-        self.engine = LLMEngine(self.settings.engine_config())
-        self.async_engine = AsyncEngine(self.engine)
+        config = self.settings.engine_config()
+        # built in the loop thread that steps it: one OpenMP thread team in the process (async_engine.py)
+        self.async_engine = AsyncEngine(lambda: LLMEngine(config))
+        self.engine = self.async_engine.engine
         self.replica_id = _replica_id()
         self.held_prefixes = HeldPrefixes()  # conversation prefixes it served, for the router's affinity
 
@@ -274,6 +277,7 @@ class LLMReplica:
         now = time.monotonic()
         return {
             "replica": self.replica_id,
+            "threads": torch.get_num_threads(),  # the engine's CPU threads (Ray caps them at num_cpus by default)
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "kv_free_blocks": s.kv_free_blocks,

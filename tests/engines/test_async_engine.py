@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -129,3 +130,32 @@ def test_a_slow_consumer_gets_merged_deltas_that_add_up(async_engine, engine_fp3
     assert [t for o in items for t in o.new_token_ids] == alone.token_ids
     assert "".join(o.new_text for o in items) == alone.text
     assert items[-1].finished and items[-1].num_output_tokens == 24
+
+
+def test_a_factory_builds_the_engine_in_the_loop_thread_that_steps_it():
+    """The loop thread that steps the engine builds it (one OpenMP thread team per process); what the
+    factory raises comes out of the constructor."""
+    built_in = []
+
+    def build() -> LLMEngine:
+        built_in.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, drafter="none"))
+
+    eng = AsyncEngine(build)
+    try:
+        assert built_in == ["engine-loop"] and isinstance(eng.engine, LLMEngine) and eng.is_running
+
+        async def main():
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            return [out async for out in eng.generate(GenerationRequest(messages=CHAT_PROMPTS[0], params=params))]
+
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].num_output_tokens == 4
+    finally:
+        eng.shutdown()
+
+    def broken() -> LLMEngine:
+        raise RuntimeError("no model here")
+
+    with pytest.raises(RuntimeError, match="no model here"):
+        AsyncEngine(broken)
