@@ -388,7 +388,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
             const int64_t n = b->seq_lens[s] - num_new + run_tokens(m, b, s), n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
             runs++, keys += n, padded += n_pad;
             pack += Hk * ((n_pad + PACK_KEYS - 1) / PACK_KEYS);
-            attend += m->num_heads * ((run_tokens(m, b, s) + 15) / 16);
+            attend += Hk * ((run_tokens(m, b, s) + 15) / 16);
         }
     if (runs == 0) return 0;
     r->num_runs = runs, r->num_pack = pack, r->num_attend = attend;
@@ -416,7 +416,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
         for (int64_t h = 0; h < Hk; h++)
             for (int64_t k0 = 0; k0 < n_pad; k0 += PACK_KEYS) r->pack[p][0] = i, r->pack[p][1] = h, r->pack[p++][2] = k0;
         for (int64_t i0 = 0; i0 < in_run; i0 += 16) /* the longest (latest) tiles first: they end the layer last */
-            for (int64_t h = 0; h < m->num_heads; h++)
+            for (int64_t h = 0; h < Hk; h++)
                 r->attend[a][0] = i, r->attend[a][1] = h, r->attend[a++][2] = (in_run - 1) / 16 * 16 - i0;
         at += n, buf += n_pad * Hk * D, i++;
     }
@@ -493,12 +493,13 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     MARK(PHASE_PACK)
 #pragma omp for schedule(dynamic, 1) nowait
                     for (int64_t task = 0; task < runs.num_attend; task++) {
-                        const int64_t r = runs.attend[task][0], head = runs.attend[task][1], i0 = runs.attend[task][2];
+                        const int64_t r = runs.attend[task][0], kvh = runs.attend[task][1], i0 = runs.attend[task][2];
                         const int64_t s = runs.seq[r], first = b->query_start[s], in_run = run_tokens(m, b, s);
                         const int64_t num_new = b->query_start[s + 1] - first;
-                        const int64_t n_pad = runs.n_pad[r], kvh = head / group, at = runs.buf_at[r] + kvh * n_pad * D;
+                        const int64_t n_pad = runs.n_pad[r], at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
-                        amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
+                        for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) /* one KV head's keys stay in cache */
+                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
                                        runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
                                        runs.scores + omp_get_thread_num() * 16 * RUN_CHUNK,
                                        runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
