@@ -121,7 +121,7 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
         return;
     }
     config_int8();
-    int32_t sums[2][16][16] __attribute__((aligned(64)));
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *w = codes + b * block_bytes;
@@ -141,7 +141,9 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
             for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
             const int8_t *x = xq + r0 * k;
             const float *rdx = dx + r0 * groups, *rsx = sx + r0 * groups;
-            /* Two groups in flight (tiles 0 and 1): the second's product runs while the first's sums are scaled. */
+            /* Pairs of groups in flight, software-pipelined: pair p's products sit in tiles 0-1 (p even) or 2-3 (odd)
+             * and its sums in sums[0-1] or [2-3]; while pair p's sums are scaled, pair p + 1's tiles have been
+             * stored (an iteration earlier than their use) and pair p + 2's products run. */
 #define GROUP_SUMS(J, A, B, G)                                                                               \
     do {                                                                                                     \
         _tile_zero(J);                                                                                       \
@@ -149,25 +151,45 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
         _tile_loadd(B, w + (G) * 512, 64);                                                                   \
         _tile_dpbsud(J, A, B);                                                                               \
     } while (0)
-#define SCALE(J, G)                                                                                          \
+#define ISSUE2(J0, J1, P)                                                                                    \
     do {                                                                                                     \
-        _tile_stored(J, sums[J], 64);                                                                        \
-        scale_group((const int32_t (*)[16])sums[J],                                                          \
-                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bd + (G) * 16))),                   \
-                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bm + (G) * 16))), rdx + (G), rsx + (G), \
-                    groups, acc);                                                                            \
+        GROUP_SUMS(J0, 4, 5, 2 * (P));                                                                       \
+        GROUP_SUMS(J1, 6, 7, 2 * (P) + 1);                                                                   \
     } while (0)
-            int64_t g = 0;
-            for (; g + 2 <= groups; g += 2) {
-                GROUP_SUMS(0, 4, 5, g);
-                GROUP_SUMS(1, 6, 7, g + 1);
-                SCALE(0, g);
-                SCALE(1, g + 1);
+#define STORE2(J0, J1)                                                                                       \
+    do {                                                                                                     \
+        _tile_stored(J0, sums[J0], 64);                                                                      \
+        _tile_stored(J1, sums[J1], 64);                                                                      \
+    } while (0)
+#define SCALE(J, G)                                                                                          \
+    scale_group((const int32_t (*)[16])sums[J],                                                              \
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bd + (G) * 16))),                       \
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bm + (G) * 16))), rdx + (G), rsx + (G),     \
+                groups, acc)
+            const int64_t pairs = groups / 2;
+            if (pairs > 0) {
+                ISSUE2(0, 1, 0);
+                if (pairs > 1) ISSUE2(2, 3, 1);
+                STORE2(0, 1);
             }
-            if (g < groups) {
-                GROUP_SUMS(0, 4, 5, g);
-                SCALE(0, g);
+            for (int64_t p = 0; p < pairs; p += 2) {
+                if (p + 1 < pairs) STORE2(2, 3);
+                if (p + 2 < pairs) ISSUE2(0, 1, p + 2);
+                SCALE(0, 2 * p);
+                SCALE(1, 2 * p + 1);
+                if (p + 1 >= pairs) break;
+                if (p + 2 < pairs) STORE2(0, 1);
+                if (p + 3 < pairs) ISSUE2(2, 3, p + 3);
+                SCALE(2, 2 * p + 2);
+                SCALE(3, 2 * p + 3);
             }
+            if (groups % 2) {
+                GROUP_SUMS(0, 4, 5, groups - 1);
+                _tile_stored(0, sums[0], 64);
+                SCALE(0, groups - 1);
+            }
+#undef ISSUE2
+#undef STORE2
 #undef GROUP_SUMS
 #undef SCALE
             for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + (r0 + r) * n + 16 * b, acc[r]);
@@ -242,11 +264,30 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
     float part[4][16][16] __attribute__((aligned(64)));  /* a chunk's O^T tiles: [dim][query] */
     float acc[128][16] __attribute__((aligned(64)));     /* O^T: [dim][query] */
     const float c = scale * 1.44269504088896341f;       /* scores in base 2 */
-    for (int64_t p = 0; p < dim / 2; p++)
-        for (int r = 0; r < 16; r++) {
-            const float a = r < rows ? q[r * q_stride + 2 * p] * c : 0.0f, b = r < rows ? q[r * q_stride + 2 * p + 1] * c : 0.0f;
-            qt[p / 16][p % 16][r] = (uint32_t)float_to_bf16(a) | (uint32_t)float_to_bf16(b) << 16;
-        }
+    {   /* per row its dim pairs as bf16 pairs (32 at a time), then turned to [dim pair][query] */
+        uint32_t rowpairs[16][64] __attribute__((aligned(64)));
+        const __m512 cv = _mm512_set1_ps(c);
+        const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+        for (int r = 0; r < 16; r++)
+            for (int64_t p0 = 0; p0 < dim / 2; p0 += 16) {
+                __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+                if (r < rows) {
+                    const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 2 * p0), cv);
+                    const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 2 * p0 + 16), cv);
+                    a = _mm512_permutex2var_ps(lo, evens, hi); /* dims 2p */
+                    b = _mm512_permutex2var_ps(lo, odds, hi);  /* dims 2p + 1 */
+                }
+                /* 16-bit lanes 2i, 2i + 1: bf16 of a_i, b_i */
+                const __m512i ab = _mm512_permutexvar_epi16(
+                    _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+                                     4, 19, 3, 18, 2, 17, 1, 16, 0),
+                    (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                _mm512_store_si512((void *)&rowpairs[r][p0], ab);
+            }
+        for (int64_t p = 0; p < dim / 2; p++)
+            for (int r = 0; r < 16; r++) qt[p / 16][p % 16][r] = rowpairs[r][p];
+    }
     for (int64_t d = 0; d < dim; d++) _mm512_store_ps(acc[d], _mm512_setzero_ps());
     const int64_t end = limit + rows - 1; /* keys the last row sees */
     /* key j is visible to lanes r with r < rows and r >= j - limit + 1: every lane for j < limit */
