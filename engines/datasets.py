@@ -2,6 +2,7 @@
 and the JSON Lines prompt files (`id` + OpenAI `messages`) that the benchmarks replay.
 
 Usage: python -m engines.datasets --source sharegpt --num 32 --out prompts.jsonl
+       python -m engines.datasets --split val --long-prompt-tokens 5000 --out long-5000.jsonl
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import gzip
 import importlib.util
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,32 @@ def write_prompt_file(records: list[dict[str, Any]], path: str | Path) -> None:
     Path(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
+def long_prompt(tokens: int, count: Callable[[list[dict[str, str]]], int], split: str = "val") -> dict[str, Any]:
+    """One prompt record of at most `tokens` tokens (as `count` measures a conversation, e.g. a
+    tokenizer's chat template) and close below: a system prompt of ShareGPT answers in order, then a
+    question about them. For the long-prompt (prefill) benchmarks."""
+    parts: list[str] = []
+
+    def conversation(notes: str) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": "Reference notes:\n\n" + notes},
+            {"role": "user", "content": "Summarize the notes above in one sentence."},
+        ]
+
+    for rec in iter_sharegpt():
+        if split != "all" and split_of(rec["id"]) != split:
+            continue
+        parts += [m["content"] for m in sharegpt_messages(rec) if m["role"] == "assistant"]
+        if count(conversation("\n\n".join(parts))) >= tokens:
+            break
+    notes = "\n\n".join(parts)
+    lo, hi = 0, len(notes)  # the longest prefix of the notes that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(conversation(notes[:mid])) <= tokens else (lo, mid - 1)
+    return {"id": f"sharegpt-{split}-long-{tokens}", "messages": conversation(notes[:lo])}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Write a prompt file from a shipped dataset."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,13 +159,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--split", choices=["all", "train", "val"], default="all", help="side of the drafter-training split (sharegpt)"
     )
+    ap.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=None,
+        help="write one prompt of this many tokens (the embedded model's chat template) instead (sharegpt)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    records = (
-        sharegpt_prompts(args.num, args.max_chars, split=args.split)
-        if args.source == "sharegpt"
-        else humaneval_prompts(args.num)
-    )
+    if args.long_prompt_tokens:
+        from engines.loader import resolve_checkpoint
+        from engines.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(resolve_checkpoint(None))
+        records = [long_prompt(args.long_prompt_tokens, lambda m: len(tokenizer.apply_chat_template(m)), args.split)]
+    elif args.source == "sharegpt":
+        records = sharegpt_prompts(args.num, args.max_chars, split=args.split)
+    else:
+        records = humaneval_prompts(args.num)
     write_prompt_file(records, args.out)
     print(f"wrote {len(records)} prompts to {args.out}")
 

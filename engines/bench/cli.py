@@ -110,6 +110,7 @@ class Side:
     decode_tokens: int = 0
     decode_s: float = 0.0
     first_token_s: float = 0.0
+    prompt_tokens: int = 0  # every wave's prompts, summed
 
     def record(self, wave: list[int], timing: WaveTiming) -> None:
         """Add one wave's outputs and clocks."""
@@ -133,6 +134,7 @@ class Side:
         self.decode_tokens += other.decode_tokens
         self.decode_s += other.decode_s
         self.first_token_s += other.first_token_s
+        self.prompt_tokens += other.prompt_tokens
 
 
 # Named configurations beyond the plain drafter names: (drafter, EngineConfig overrides).
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 order = runners[shift:] + runners[:shift]
                 for n, run in order:
                     run(w, sides[n])
+                    sides[n].prompt_tokens += sum(len(prompts[i]) for i in w)
                 print(
                     f"repeat {rep + 1}/{args.repeat} wave {k + 1}/{len(waves)}: "
                     + ", ".join(f"{n} {sides[n].wave_s[-1]:.2f}s" for n, _ in order),
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_config = summarize(pooled, ours, list(peers), len(prompts))
     runs = [summarize(sides, ours, list(peers), len(prompts)) for sides in repeats]
     for n, out in per_config.items():
-        metrics = [k for k in runs[0][n] if k in SPREAD_METRICS or k.startswith(("speedup_vs_", "decode_speedup"))]
+        ratio_prefixes = ("speedup_vs_", "decode_speedup", "prefill_speedup")
+        metrics = [k for k in runs[0][n] if k in SPREAD_METRICS or k.startswith(ratio_prefixes)]
         out["repeats"] = {
             k: spread([r[n][k] for r in runs]) for k in metrics if not k.endswith("_median_wave") and runs[0][n][k]
         }
@@ -463,7 +467,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 # Per-configuration metrics that `repeats` gives as median and range (with every speedup_* ratio).
-SPREAD_METRICS = ("tokens_per_s", "decode_tokens_per_s")
+SPREAD_METRICS = ("tokens_per_s", "decode_tokens_per_s", "prefill_tokens_per_s")
 
 
 def our_format(engine: LLMEngine) -> str:
@@ -482,10 +486,12 @@ def summarize(sides: dict[str, Side], ours: list[str], peers: list[str], num_pro
             "tokens_per_s": side.output_tokens / side.wall_s,
             "output_tokens": side.output_tokens,
             "wall_s": side.wall_s,
-            "decode_tokens_per_s": side.decode_tokens / side.decode_s if side.decode_s > 0 else None,
+            "decode_tokens_per_s": side.decode_tokens / side.decode_s if side.decode_tokens and side.decode_s else None,
             "decode_tokens": side.decode_tokens,
             "decode_s": side.decode_s,
             "first_token_s": side.first_token_s,
+            # prompt tokens read per second until each wave's sequences all had their first token
+            "prefill_tokens_per_s": side.prompt_tokens / side.first_token_s if side.first_token_s > 0 else None,
         }
         if n in ours:
             out.update(
@@ -503,7 +509,7 @@ def summarize(sides: dict[str, Side], ours: list[str], peers: list[str], num_pro
             out["speedup_vs_none_median_wave"] = statistics.median(
                 b / s for b, s in zip(base.wave_s, side.wave_s, strict=True)
             )
-            if side.decode_s > 0 and base.decode_s > 0:
+            if out["decode_tokens_per_s"] and base.decode_tokens and base.decode_s > 0:
                 out["decode_speedup_vs_none"] = out["decode_tokens_per_s"] / (base.decode_tokens / base.decode_s)
             out["identical_to_none"] = sum(side.outputs[i] == base.outputs[i] for i in base.outputs) / num_prompts
         per[n] = out
@@ -516,6 +522,8 @@ def summarize(sides: dict[str, Side], ours: list[str], peers: list[str], num_pro
             )
             if out["decode_tokens_per_s"] and peer["decode_tokens_per_s"]:
                 out[f"decode_speedup_vs_{p}"] = out["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            if out["prefill_tokens_per_s"] and peer["prefill_tokens_per_s"]:
+                out[f"prefill_speedup_vs_{p}"] = out["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"]
             out[f"identical_to_{p}"] = sum(sides[n].outputs[i] == sides[p].outputs[i] for i in sides[p].outputs) / (
                 num_prompts
             )

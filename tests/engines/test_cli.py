@@ -51,6 +51,31 @@ def test_sharegpt_prompt_file_round_trip(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_long_prompt_file_and_its_prefill_rate(tmp_path):
+    """`--long-prompt-tokens N` writes one held-out prompt of at most N tokens (and close to N); the bench
+    reads it with one new token (nothing left to decode) and reports its prompt-reading rate."""
+    from engines.loader import resolve_checkpoint
+    from engines.tokenizer import Tokenizer
+
+    path = tmp_path / "long.jsonl"
+    res = run("engines.datasets", "--split", "val", "--long-prompt-tokens", "1200", "--out", str(path))
+    assert res.returncode == 0, res.stderr
+    (record,) = read_prompt_file(path)
+    n = len(Tokenizer(resolve_checkpoint(None)).apply_chat_template(record["messages"]))
+    assert 1150 <= n <= 1200
+    res = run(
+        "engines.bench", "--prompts", str(path), "--num-prompts", "1", "--max-new-tokens", "1",
+        "--batch-size", "1", "--compare", "none,ngram", "--warmup", "0",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    none = out["configs"]["none"]
+    assert none["output_tokens"] == 1 and none["decode_tokens_per_s"] is None
+    assert none["prefill_tokens_per_s"] == pytest.approx(n / none["first_token_s"])
+    assert "decode_speedup_vs_none" not in out["configs"]["ngram"]
+
+
+@pytest.mark.slow
 def test_bench_reports_json_and_compares_with_transformers(tmp_path):
     path = tmp_path / "p.jsonl"
     write_prompt_file(sharegpt_prompts(2, max_chars=300), path)
