@@ -3,7 +3,7 @@
     python -m serve_app.bench --prompts FILE.jsonl --num-prompts 16 --concurrency 1,8 --max-new-tokens 64
 
 Starts the application on loopback (one LLM replica with as many CPU threads as the offline engine),
-then, per concurrency level, alternates waves of `--concurrency` concurrent streaming requests
+both sides on the engine settings of `--config` (serve_config.yaml: what `make run` serves), then, per concurrency level, alternates waves of `--concurrency` concurrent streaming requests
 through the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine
 noise hits both alike. Reports tokens/s over all timed waves and the median over waves of the paired
 ratio (each wave run both ways back to back), the noise-robust figure. Greedy decoding: both paths
@@ -18,8 +18,10 @@ import json
 import socket
 import statistics
 import time
+from pathlib import Path
 
 import torch
+import yaml
 
 from engines.async_engine import AsyncEngine
 from engines.datasets import read_prompt_file
@@ -80,22 +82,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--drafter", default="lyanna")
+    ap.add_argument("--config", default="serve_config.yaml", help="serve config whose engine settings both sides run")
+    ap.add_argument("--drafter", default=None, help="override the config's drafter (e.g. none)")
     args = ap.parse_args(argv)
     import openai
     import ray
     from ray import serve
 
     torch.set_num_threads(args.threads)
-    settings = EngineSettings(drafter=args.drafter)
+    engine_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"].get("engine", {})
+    settings = EngineSettings.model_validate(engine_args | ({"drafter": args.drafter} if args.drafter else {}))
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     port = _free_port()
     ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
     serve.run(Ingress.bind(replica, settings.served_model_name, settings.drafter), name="bench", route_prefix="/")
-    offline = AsyncEngine(LLMEngine(settings.engine_config()))
-    result: dict = {"threads": args.threads, "drafter": args.drafter, "levels": {}}
+    config = settings.engine_config()
+    offline = AsyncEngine(lambda: LLMEngine(config))  # built in its loop thread, as the replica's (one OpenMP team)
+    engine = settings.model_dump(include={"drafter", "spec_policy", "spec_depth", "spec_width", "spec_budget"})
+    result: dict = {"threads": args.threads, "config": args.config, "engine": engine, "levels": {}}
 
     async def run_level(c: int) -> dict:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
