@@ -202,6 +202,28 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
                     out + whole * n, b0, b1);
 }
 
+/* r [16 rows][16 x 32 bits] becomes its transpose (a, b: scratch). */
+static inline AMX_FN __attribute__((always_inline)) void transpose16(__m512i *r, __m512i *a, __m512i *b) {
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* b[4k + m], 128-bit lane L: column 4L + m of rows 4k..4k + 3 */
+        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), s1 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xee), s3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xee);
+        r[m] = _mm512_shuffle_i32x4(s0, s1, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(s0, s1, 0xdd);
+        r[8 + m] = _mm512_shuffle_i32x4(s2, s3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(s2, s3, 0xdd);
+    }
+}
+
 /* One sequence's keys and values 0..n of one KV head (slots[i]: the cache slot of key i; cache rows `row`
  * values apart, bf16) laid out for amx_attend_run's tiles, keys n.. zero: kr [keys / 16][dim / 32][16][32]
  * (a tile of 16 keys x 32 dims is 1 KiB in a row), vt [keys / 32][dim][32] (V transposed per 32 keys).
@@ -209,11 +231,19 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
 AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                           const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
     for (int64_t j0 = k0; j0 < k1; j0 += 32) {
+        static const uint16_t zeros[128] = {0}; /* the values of padding keys (dim <= 128) */
         const uint16_t *values[32];
-        for (int64_t j = 0; j < 32; j++) values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : NULL;
-        uint16_t *block = vt + j0 * dim; /* [dim][32] */
-        for (int64_t d = 0; d < dim; d++)
-            for (int64_t j = 0; j < 32; j++) block[d * 32 + j] = values[j] ? values[j][d] : 0;
+        for (int64_t j = 0; j < 32; j++) values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : zeros;
+        uint32_t *block = (uint32_t *)(vt + j0 * dim); /* [dim][16 key pairs]: key 2i in the low half of pair i */
+        for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+            __m512i r[16], a[16], b[16];
+            for (int i = 0; i < 16; i++) /* r[i]: dims d0.. of keys 2i and 2i + 1 as pairs */
+                r[i] = _mm512_or_si512(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[2 * i] + d0))),
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(values[2 * i + 1] + d0))), 16));
+            transpose16(r, a, b);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(block + (d0 + i) * 16), r[i]);
+        }
         for (int64_t j = j0; j < j0 + 32; j++) {
             uint16_t *tile = kr + (j / 16) * 16 * dim + (j % 16) * 32;
             for (int64_t h = 0; h < dim / 32; h++) {
