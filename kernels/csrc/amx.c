@@ -315,8 +315,12 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
                     (__m512i)_mm512_cvtne2ps_pbh(b, a));
                 _mm512_store_si512((void *)&rowpairs[r][p0], ab);
             }
-        for (int64_t p = 0; p < dim / 2; p++)
-            for (int r = 0; r < 16; r++) qt[p / 16][p % 16][r] = rowpairs[r][p];
+        for (int64_t p0 = 0; p0 < dim / 2; p0 += 16) {
+            __m512i t[16], a[16], b[16];
+            for (int r = 0; r < 16; r++) t[r] = _mm512_load_si512((const void *)&rowpairs[r][p0]);
+            transpose16(t, a, b);
+            for (int i = 0; i < 16; i++) _mm512_store_si512((void *)qt[p0 / 16][i], t[i]);
+        }
     }
     for (int64_t d = 0; d < dim; d++) _mm512_store_ps(acc[d], _mm512_setzero_ps());
     const int64_t end = limit + rows - 1; /* keys the last row sees */
@@ -410,10 +414,11 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
 #undef SEEN
     _tile_release();
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
-    for (int64_t d = 0; d < dim; d++) {
-        float o[16] __attribute__((aligned(64)));
-        _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
-        for (int64_t r = 0; r < rows; r++) out[r * out_stride + d] = o[r];
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) { /* O^T [dim][query] scaled, turned to rows 16 dims at a time */
+        __m512i t[16], a[16], b[16];
+        for (int i = 0; i < 16; i++) t[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc[d0 + i]), inv));
+        transpose16(t, a, b);
+        for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(out + r * out_stride + d0, _mm512_castsi512_ps(t[r]));
     }
 }
 
