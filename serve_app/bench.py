@@ -3,9 +3,10 @@
     python -m serve_app.bench --prompts FILE.jsonl --num-prompts 16 --concurrency 1,8 --max-new-tokens 64
 
 Starts the application on loopback (one LLM replica with as many CPU threads as the offline engine),
-both sides on the engine settings of `--config` (serve_config.yaml: what `make run` serves), then, per concurrency level, alternates waves of `--concurrency` concurrent streaming requests
-through the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine
-noise hits both alike. Reports tokens/s over all timed waves and the median over waves of the paired
+both sides on the engine settings of `--config` (serve_config.yaml: what `make run` serves), then, per
+concurrency level, alternates waves of `--concurrency` concurrent streaming requests through the
+openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine noise hits
+both alike. Reports tokens/s over all timed waves and the median over waves of the paired
 ratio (each wave run both ways back to back), the noise-robust figure. Greedy decoding: both paths
 produce the same tokens. The last line of stdout is one JSON object.
 """
