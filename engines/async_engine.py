@@ -40,7 +40,7 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._built = threading.Event()
-        factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
+        factory = None if isinstance(engine, LLMEngine) else engine
         if factory is None:
             self.engine = engine
             self._built.set()
