@@ -294,10 +294,11 @@ def paged_attention(
     T, heads, dim = q.shape
     q = q.to(k_cache.dtype)
     if len(meta.groups) == 1 and meta.groups[0].out_rows is None and meta.groups[0].real_rows is None:
-        return _attend(q, k_cache, v_cache, meta.groups[0], scale).view(T, heads * dim)
+        # reshape, not view: CUDA's SDPA hands back heads-major memory, so the rows may need a copy
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale).reshape(T, heads * dim)
     out = q.new_empty(T, heads * dim)
     for g in meta.groups:
-        res = _attend(q, k_cache, v_cache, g, scale).view(-1, heads * dim)
+        res = _attend(q, k_cache, v_cache, g, scale).reshape(-1, heads * dim)
         if g.real_rows is not None:
             res = res.index_select(0, g.real_rows)
         if g.out_rows is None:
