@@ -19,14 +19,14 @@ from engines.drafters.factory import make_drafter
 from engines.engine_config import EngineConfig
 from engines.errors import ContextLengthError, InvalidRequestError
 from engines.kv_cache import PagedKVCache, kv_cache_dtype
-from engines.loader import load_model, parse_dtype
+from engines.loader import cache_root, load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus, TokenLogprob
 from engines.sampling import SamplingParams
 from engines.scheduler import FinishedPrefix, Scheduler
 from engines.spec_decode.executor import RequestStepResult, SpecDecodeExecutor
 from engines.spec_decode.policy import AdaptivePolicy, make_policy
-from engines.spec_decode.profile import profile_engine
+from engines.spec_decode.profile import profile_or_reuse
 from engines.spec_decode.stats import SpecStats
 from engines.spec_params import SpecParams
 from engines.structured_output import StructuredOutputCompiler
@@ -155,7 +155,7 @@ class LLMEngine:
         if self.executor.drafter is not None:  # a drafter keeping K/V in the blocks needs their next token hashed
             self.kv_cache.lookahead = self.executor.drafter.cache_lookahead
         if self.executor.drafter is not None and isinstance(policy, AdaptivePolicy) and config.adaptive.profile:
-            profile_engine(self, policy)
+            profile_or_reuse(self, policy, cache_root() / "profiles" if config.adaptive.profile_cache else None)
         log.info(
             "engine ready: %s %s on %s, %d KV blocks x %d tokens, max_model_len %d",
             loaded.checkpoint.name,

@@ -6,16 +6,29 @@ the same nibbles; w = (q - 8) * d. Q8_0: fp16 d and 32 int8; w = q * d. llama.cp
 reorders the rows of the query and key projections within each head (its RoPE layout) for the "llama"
 architecture (Llama and Mistral checkpoints), not for "qwen2"; `hf_rows` undoes that, so rows come out in
 Hugging Face order.
+
+Reading a GGUF's header with gguf's `GGUFReader` parses every metadata value (the tokenizer's 49,152
+tokens and merges among them: 1.6 s for the embedded model); an index of where each tensor lies is
+kept in the cache folder, so later loads of the same file map the tensors without parsing it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernels.quantized_linear import GROUP_SIZE, Int4Codes
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1  # bump when what an index holds changes
 
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -53,17 +66,59 @@ def hf_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return (head * 2 * half + j * 2 + a).flatten()
 
 
+@dataclass
+class GGUFTensor:
+    """One stored tensor: its GGML type and its bytes or values (read-only, mapped from the file)."""
+
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray
+
+
+def _index_file(path: Path, folder: Path) -> Path:
+    stat = path.stat()  # another size or modification time is another file
+    return folder / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{INDEX_FORMAT}.json"
+
+
+def read_gguf(path: Path, index_folder: Path | None = None) -> tuple[str, dict[str, GGUFTensor]]:
+    """(architecture, linear weights by HF name) of a GGUF. With `index_folder`, the tensors' places are
+    read from an index saved there by an earlier read of the same file, or saved there now."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    index = None if index_folder is None else _index_file(path, index_folder)
+    if index is not None and index.exists():
+        try:
+            saved = json.loads(index.read_text())
+            mapped = np.memmap(path, dtype=np.uint8, mode="r")
+            tensors = {
+                name: GGUFTensor(GGMLQuantizationType(kind), np.ndarray(shape, dtype, buffer=mapped, offset=offset))
+                for name, (kind, dtype, shape, offset) in saved["tensors"].items()
+            }
+            return saved["architecture"], tensors
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("GGUF index %s unreadable (%s); reading the file's header", index, e)
+    reader = GGUFReader(str(path))
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else "llama"
+    found = [(name, t) for t in reader.tensors if (name := hf_name(t.name)) is not None]
+    if index is not None:
+        places = {n: [int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset)] for n, t in found}
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".tmp-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"architecture": architecture, "tensors": places}, f)
+            os.replace(tmp, index)  # atomic: another replica never reads half a file
+        except OSError as e:
+            log.warning("GGUF index not saved to %s: %s", index, e)
+    return architecture, {name: GGUFTensor(t.tensor_type, t.data) for name, t in found}
+
+
 class GGUFWeights:
     """The linear weights of a GGUF file by Hugging Face name, read lazily from its memory map."""
 
-    def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int):
-        from gguf import GGUFReader
-
+    def __init__(self, path: str | Path, num_heads: int, num_kv_heads: int, index_folder: Path | None = None):
         self.path = Path(path)
-        self.reader = GGUFReader(str(path))
-        self.tensors = {name: t for t in self.reader.tensors if (name := hf_name(t.name)) is not None}
-        field = self.reader.get_field("general.architecture")
-        self.architecture = field.contents() if field is not None else "llama"
+        self.architecture, self.tensors = read_gguf(self.path, index_folder)
         permuted = self.architecture in PERMUTED_ARCHITECTURES
         self.heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
 

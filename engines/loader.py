@@ -214,7 +214,7 @@ def load_model(
     if quant == "gguf":
         from engines.gguf_weights import GGUFWeights
 
-        net.load_gguf(GGUFWeights(gguf_source(model), cfg.num_heads, cfg.num_kv_heads))
+        net.load_gguf(GGUFWeights(gguf_source(model), cfg.num_heads, cfg.num_kv_heads, cache_root() / "gguf-index"))
     elif quant != "none":
         net.quantize(quant)
     net.eval()

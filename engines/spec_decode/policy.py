@@ -161,6 +161,8 @@ class AdaptiveSettings:
     optimism: float = 1.0
     explore_bonus: float = 0.0  # accepted tokens added to a probe's or new request's estimate (optimism)
     profile: bool = True  # measure the target's step time at start-up (a few forwards)
+    # reuse the start-up profile of an engine of the same settings on this machine (the cache folder)
+    profile_cache: bool = True
 
 
 _PRIOR_ACCEPT = 0.6  # assumed acceptance per depth level of a shape never drafted (optimism: it gets tried)

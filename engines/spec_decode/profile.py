@@ -19,15 +19,31 @@ steps soon rule. What a step's attention context costs is measured too: plain de
 steps in a bucket whose profiled point is a short prefill, was priced at half its time: its trees'
 draft tokens looked dear, and the shape table learned from trees cut to a few tokens). The acceptance
 statistics of these synthetic prompts are dropped.
+
+The profile's outcome (the fitted cost models) is kept in the cache folder, keyed by everything its
+timings depend on (the machine's CPU, the thread count, the engine's settings, the checkpoints, this
+package's code), so a second replica of the same settings on the same machine starts without it:
+`profile_or_reuse`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from engines.attention import attention_keys
 from engines.sampling import SamplingParams
@@ -35,6 +51,8 @@ from engines.spec_decode.acceptance_model import AcceptanceModel
 from engines.spec_decode.cost_model import DraftCostModel
 from engines.spec_decode.policy import ShapeTable
 from engines.spec_params import SpecParams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engines.engine import LLMEngine
@@ -116,6 +134,92 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
             _run(engine, prompts[:batch], TREE_STEPS, dataclasses.replace(full, budget=budget))
     for fit in policy.target_cost.trees.values():
         fit.reweigh(TREE_WEIGHT)
-    policy.acceptance = AcceptanceModel()  # random prompts say nothing about real acceptance
+    _forget_synthetic(policy)  # random prompts say nothing about real acceptance
+
+
+PROFILE_FORMAT = 1  # bump when what a saved profile holds changes
+
+
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the engine's and kernels' source files (a step's cost follows the code)."""
+    import engines
+    import kernels
+
+    h = hashlib.sha256()
+    for package in (engines, kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _file_identity(path: str | Path | None) -> list:
+    """(path, size, mtime) of a checkpoint file or folder's weights: a re-converted or edited one is another."""
+    if path is None:
+        return []
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.exists()]
+
+
+def profile_key(engine: LLMEngine) -> str:
+    """What the start-up profile's timings depend on, as a short digest: the CPU, the thread count, the
+    device, the engine's settings, the target and draft checkpoints, and the code."""
+    parts = {
+        "format": PROFILE_FORMAT,
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "device": str(engine.device),
+        "torch": torch.__version__,
+        "config": engine.config.model_dump(mode="json"),
+        "quantization": engine.quantization,
+        "target": _file_identity(engine.checkpoint),
+        "draft": _file_identity(engine.config.draft_model),
+        "code": _code_digest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _forget_synthetic(policy: AdaptivePolicy) -> None:
+    policy.acceptance = AcceptanceModel()
     policy.shapes = ShapeTable()
     policy.requests.clear()
+
+
+def profile_or_reuse(engine: LLMEngine, policy: AdaptivePolicy, folder: Path | None) -> bool:
+    """Seed `policy` from the saved profile of an engine of the same settings on this machine, or run
+    `profile_engine` and save its outcome under `folder` (None: neither read nor write). True if reused."""
+    path = None if folder is None else folder / f"{profile_key(engine)}.pkl"
+    if path is not None and path.exists():
+        try:
+            with open(path, "rb") as f:  # our own cache folder, written below
+                policy.target_cost, policy.draft_cost = pickle.load(f)
+            _forget_synthetic(policy)
+            log.info("start-up profile reused from %s", path)
+            return True
+        except Exception as e:  # a truncated or stale file: profile again and overwrite it
+            log.warning("start-up profile %s unreadable (%s); profiling again", path, e)
+    profile_engine(engine, policy)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((policy.target_cost, policy.draft_cost), f)
+            os.replace(tmp, path)  # atomic: another replica never reads half a file
+        except OSError as e:
+            log.warning("start-up profile not saved to %s: %s", path, e)
+    return False

@@ -4,12 +4,14 @@ target (the model being served)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from engines.engine import EngineConfig, LLMEngine
-from engines.gguf_weights import GGUFWeights, hf_name, hf_rows
+from engines.gguf_weights import GGUFWeights, hf_name, hf_rows, read_gguf
 from engines.loader import CheckpointReader, embedded_gguf_path, load_model, resolve_checkpoint, resolve_quantization
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -66,13 +68,12 @@ def test_embedded_gguf_int4_codes_are_its_dequantized_weights_exactly(layer):
     assert weights.kind("model.embed_tokens.weight") == "Q8_0"
 
 
-def test_q4_0_and_q8_0_blocks(tmp_path):
-    """A GGUF written with Q4_0, Q4_1 and Q8_0 tensors reads back as gguf's own dequantization."""
+def write_tiny_gguf(path):
+    """A GGUF with a Q4_0, a Q4_1 and a Q8_0 linear: (its tensor types, the dense values written)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize as gguf_quantize
 
     rng = np.random.default_rng(0)
-    path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
     tensors = {
         "blk.0.attn_q.weight": GGMLQuantizationType.Q4_0,
@@ -90,6 +91,15 @@ def test_q4_0_and_q8_0_blocks(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return tensors, dense
+
+
+def test_q4_0_and_q8_0_blocks(tmp_path):
+    """A GGUF written with Q4_0, Q4_1 and Q8_0 tensors reads back as gguf's own dequantization."""
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "tiny.gguf"
+    tensors, dense = write_tiny_gguf(path)
     weights = GGUFWeights(path, num_heads=2, num_kv_heads=1)
     for gname, kind in tensors.items():
         name = hf_name(gname)
@@ -103,6 +113,40 @@ def test_q4_0_and_q8_0_blocks(tmp_path):
         heads = 2 if "q_proj" in name else 1
         hf_dense = torch.from_numpy(dense[gname])[hf_rows(dense[gname].shape[0], heads)]
         assert (ref - hf_dense).abs().mean() < 0.15
+
+
+def test_a_gguf_index_maps_the_same_tensors_without_parsing_the_header(tmp_path, monkeypatch):
+    """The first read of a GGUF saves where its tensors lie; later reads of the same file map them from
+    that index (no header parse) and get the same types and bytes; a changed file gets a new index."""
+    import gguf
+
+    index = tmp_path / "index"
+    architecture, first = read_gguf(embedded_gguf_path(), index)
+    assert architecture == "llama" and len(list(index.glob("*.json"))) == 1
+    parse = gguf.GGUFReader
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the header was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    again_architecture, again = read_gguf(embedded_gguf_path(), index)
+    assert again_architecture == architecture and again.keys() == first.keys()
+    assert len(first) == 30 * 7 + 1  # every layer's seven projections and the embedding
+    for name, t in first.items():
+        assert again[name].tensor_type == t.tensor_type and np.array_equal(again[name].data, t.data), name
+    weights = GGUFWeights(embedded_gguf_path(), num_heads=9, num_kv_heads=3, index_folder=index)
+    codes = weights.int4("model.layers.3.self_attn.q_proj.weight")
+    monkeypatch.setattr(gguf, "GGUFReader", parse)
+    plain = GGUFWeights(embedded_gguf_path(), num_heads=9, num_kv_heads=3)  # no index: parsed
+    assert torch.equal(codes.dequantize(), plain.int4("model.layers.3.self_attn.q_proj.weight").dequantize())
+
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny)
+    read_gguf(tiny, index)
+    stat = tiny.stat()
+    os.utime(tiny, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # rewritten in place, say
+    read_gguf(tiny, index)
+    assert len(list(index.glob("tiny-*.json"))) == 2
 
 
 LAYOUTS = ["torch", pytest.param("integer_dot", marks=needs_integer_dot), pytest.param("vnni", marks=needs_vnni)]
