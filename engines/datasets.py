@@ -3,6 +3,7 @@ and the JSON Lines prompt files (`id` + OpenAI `messages`) that the benchmarks r
 
 Usage: python -m engines.datasets --source sharegpt --num 32 --out prompts.jsonl
        python -m engines.datasets --split val --long-prompt-tokens 5000 --out long-5000.jsonl
+       python -m engines.datasets --split val --long-prompt-tokens 256 --num 8 --out ctx-256.jsonl
 """
 
 from __future__ import annotations
@@ -124,11 +125,13 @@ def write_prompt_file(records: list[dict[str, Any]], path: str | Path) -> None:
     Path(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
 
 
-def long_prompt(tokens: int, count: Callable[[list[dict[str, str]]], int], split: str = "val") -> dict[str, Any]:
-    """One prompt record of at most `tokens` tokens (as `count` measures a conversation, e.g. a
+def long_prompts(
+    tokens: int, count: Callable[[list[dict[str, str]]], int], split: str = "val", num: int = 1
+) -> list[dict[str, Any]]:
+    """`num` prompt records of at most `tokens` tokens each (as `count` measures a conversation, e.g. a
     tokenizer's chat template) and close below: a system prompt of ShareGPT answers in order, then a
-    question about them. For the long-prompt (prefill) benchmarks."""
-    parts: list[str] = []
+    question about them; no two prompts share a conversation. For the long-prompt (prefill) and
+    long-context benchmarks."""
 
     def conversation(notes: str) -> list[dict[str, str]]:
         return [
@@ -136,25 +139,31 @@ def long_prompt(tokens: int, count: Callable[[list[dict[str, str]]], int], split
             {"role": "user", "content": "Summarize the notes above in one sentence."},
         ]
 
-    for rec in iter_sharegpt():
-        if split != "all" and split_of(rec["id"]) != split:
-            continue
-        parts += [m["content"] for m in sharegpt_messages(rec) if m["role"] == "assistant"]
-        if count(conversation("\n\n".join(parts))) >= tokens:
-            break
-    notes = "\n\n".join(parts)
-    lo, hi = 0, len(notes)  # the longest prefix of the notes that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if count(conversation(notes[:mid])) <= tokens else (lo, mid - 1)
-    return {"id": f"sharegpt-{split}-long-{tokens}", "messages": conversation(notes[:lo])}
+    records = (rec for rec in iter_sharegpt() if split == "all" or split_of(rec["id"]) == split)
+    prompts = []
+    for i in range(num):
+        parts: list[str] = []
+        for rec in records:
+            parts += [m["content"] for m in sharegpt_messages(rec) if m["role"] == "assistant"]
+            if count(conversation("\n\n".join(parts))) >= tokens:
+                break
+        else:
+            raise ValueError(f"the {split} split holds too few conversations for {num} prompts of {tokens} tokens")
+        notes = "\n\n".join(parts)
+        lo, hi = 0, len(notes)  # the longest prefix of the notes that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if count(conversation(notes[:mid])) <= tokens else (lo, mid - 1)
+        suffix = f"-{i}" if num > 1 else ""
+        prompts.append({"id": f"sharegpt-{split}-long-{tokens}{suffix}", "messages": conversation(notes[:lo])})
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> None:
     """Write a prompt file from a shipped dataset."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
-    ap.add_argument("--num", type=int, default=32)
+    ap.add_argument("--num", type=int, default=None, help="prompts to write (default 32; 1 with --long-prompt-tokens)")
     ap.add_argument("--max-chars", type=int, default=2000, help="longest first user turn kept (sharegpt)")
     ap.add_argument(
         "--split", choices=["all", "train", "val"], default="all", help="side of the drafter-training split (sharegpt)"
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         "--long-prompt-tokens",
         type=int,
         default=None,
-        help="write one prompt of this many tokens (the embedded model's chat template) instead (sharegpt)",
+        help="write prompts of this many tokens (the embedded model's chat template) instead (sharegpt)",
     )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -172,11 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         from engines.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(resolve_checkpoint(None))
-        records = [long_prompt(args.long_prompt_tokens, lambda m: len(tokenizer.apply_chat_template(m)), args.split)]
+        count = lambda m: len(tokenizer.apply_chat_template(m))  # noqa: E731
+        records = long_prompts(args.long_prompt_tokens, count, args.split, args.num or 1)
     elif args.source == "sharegpt":
-        records = sharegpt_prompts(args.num, args.max_chars, split=args.split)
+        records = sharegpt_prompts(args.num or 32, args.max_chars, split=args.split)
     else:
-        records = humaneval_prompts(args.num)
+        records = humaneval_prompts(args.num or 32)
     write_prompt_file(records, args.out)
     print(f"wrote {len(records)} prompts to {args.out}")
 

@@ -73,6 +73,14 @@ def test_a_long_prompt_file_and_its_prefill_rate(tmp_path):
     assert none["output_tokens"] == 1 and none["decode_tokens_per_s"] is None
     assert none["prefill_tokens_per_s"] == pytest.approx(n / none["first_token_s"])
     assert "decode_speedup_vs_none" not in out["configs"]["ngram"]
+    # several: each its own held-out conversations, each close below the length
+    path = tmp_path / "ctx.jsonl"
+    res = run("engines.datasets", "--split", "val", "--long-prompt-tokens", "256", "--num", "3", "--out", str(path))
+    assert res.returncode == 0, res.stderr
+    records = read_prompt_file(path)
+    assert len({r["id"] for r in records}) == len({r["messages"][0]["content"] for r in records}) == 3
+    tokenizer = Tokenizer(resolve_checkpoint(None))
+    assert all(220 <= len(tokenizer.apply_chat_template(r["messages"])) <= 256 for r in records)
 
 
 @pytest.mark.slow
