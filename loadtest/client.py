@@ -39,6 +39,17 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
+def stream_error(chunk: dict) -> str | None:
+    """The message of an error event inside a stream (`data: {"error": ...}`, sent when a request fails
+    after its 200: a replica died, the engine refused it), None for an ordinary chunk."""
+    error = chunk.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("type") or error)[:500]
+    return str(error)[:500]
+
+
 def request_body(job: ChatJob, model: str) -> dict:
     """The chat-completions body for a job (streaming, with usage in the last chunk)."""
     body = {
@@ -74,6 +85,9 @@ async def run_chat(client: httpx.AsyncClient, url: str, model: str, job: ChatJob
                     res.e2e = time.perf_counter() - start
                     break
                 chunk = json.loads(data)
+                if (error := stream_error(chunk)) is not None:
+                    res.error = res.error or f"stream error: {error}"  # a cut answer is not a success
+                    continue
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
@@ -85,7 +99,7 @@ async def run_chat(client: httpx.AsyncClient, url: str, model: str, job: ChatJob
                         else:
                             res.itl.append(now - last)
                         last = now
-            if res.e2e is None:
+            if res.e2e is None and res.error is None:
                 res.error = "stream ended without [DONE]"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"

@@ -24,7 +24,7 @@ import time
 
 from locust import HttpUser, constant, events, task
 
-from loadtest.client import request_body
+from loadtest.client import request_body, stream_error
 from loadtest.runner import slo_settings
 from loadtest.workload import Workload, load_prompts, parse_mix
 
@@ -64,7 +64,7 @@ class ChatUser(HttpUser):
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
-            done = False
+            done, error = False, None
             for raw in resp.iter_lines():
                 line = raw.decode() if isinstance(raw, bytes) else raw
                 if not line.startswith("data: "):
@@ -74,6 +74,7 @@ class ChatUser(HttpUser):
                     done = True
                     break
                 chunk = json.loads(data)
+                error = error or stream_error(chunk)
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
@@ -84,6 +85,9 @@ class ChatUser(HttpUser):
                     else:
                         _metric("itl", (now - last) * 1e3)
                     last = now
+            if error is not None:
+                resp.failure(f"stream error: {error}")  # a cut answer is not a success
+                return
             if not done:
                 resp.failure("stream ended without [DONE]")
                 return

@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from loadtest.__main__ import main
-from loadtest.client import RequestResult
+from loadtest.client import RequestResult, run_chat
 from loadtest.multiturn import MultiTurnConfig, TurnResult, held_out_conversations, run_multiturn, shared_prefix_share
 from loadtest.multiturn import summarize as multiturn_summary
 from loadtest.report import ScrapedMetrics, percentiles, summarize
 from loadtest.runner import LoadTestConfig, Stage, check_target, parse_stages, run_load_test
-from loadtest.workload import Workload, load_prompts, parse_mix
+from loadtest.workload import ChatJob, Workload, load_prompts, parse_mix
 from policies.prefix_affinity import conversation_keys
 from policies.slo import SLOSettings
 
@@ -70,6 +70,30 @@ def test_summary_percentiles_goodput_and_acceptance():
     assert s["tpot_s"]["p90"] == pytest.approx(0.3) and s["itl_s"]["p50"] == pytest.approx(0.1)
     assert s["mean_accepted_tokens_per_step"] == pytest.approx(2.0)  # (16 - 10) / (8 - 5)
     json.dumps(s)
+
+
+def test_a_stream_cut_by_an_error_event_counts_as_an_error():
+    """A 200 stream that carries an error event (its replica died mid-answer) and then [DONE] is a failed
+    request in the summary, not a completed one; a clean stream next to it still completes."""
+    content = 'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+    cut = 'data: {"error":{"message":"the model replica failed","type":"server_error","code":"replica_failed"}}\n\n'
+    usage = 'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = content + (cut if b"cut" in request.content else usage) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def send(word: str) -> RequestResult:
+        job = ChatJob([{"role": "user", "content": word}], max_tokens=8)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_chat(client, "http://127.0.0.1:8000", "m", job, 0.0)
+
+    cut_short, whole = asyncio.run(send("cut")), asyncio.run(send("whole"))
+    assert cut_short.text == whole.text == "Hel"
+    assert not cut_short.ok and "the model replica failed" in cut_short.error
+    assert whole.ok and whole.error is None and whole.output_tokens == 1
+    s = summarize([cut_short, whole], 1.0, SLOSettings())
+    assert s["requests"] == 2 and s["completed"] == 1 and s["error_rate"] == pytest.approx(0.5)
 
 
 @pytest.mark.slow
