@@ -283,11 +283,12 @@ static inline AMX_FN __m512 exp2_16(__m512 x) {
 
 /* Attention of `rows` (<= 16) consecutive tokens of a causal run for one query head: row r (q + r q_stride,
  * fp32, dim values) sees keys [0, limit + r) of its sequence; out + r out_stride = softmax(q K^T scale) V,
+ * fp32. With causal 0 every row sees keys [0, limit): the query heads of one token that share a KV head.
  * fp32. Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
  * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [RUN_CHUNK][16] fp32), their
  * maximum, their probabilities (pt: [RUN_CHUNK / 2][16] pairs of bf16), P V; the sums so far are rescaled
  * when the maximum grows (an online softmax over chunks). dim: 32, 64, 96 or 128. */
-AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
                            const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
                            uint32_t *pt) {
     uint32_t qt[4][16][16] __attribute__((aligned(64))); /* per 32 dims: [dim pair][query] bf16 pairs */
@@ -323,7 +324,7 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
         }
     }
     for (int64_t d = 0; d < dim; d++) _mm512_store_ps(acc[d], _mm512_setzero_ps());
-    const int64_t end = limit + rows - 1; /* keys the last row sees */
+    const int64_t end = causal ? limit + rows - 1 : limit; /* keys the last row sees */
     /* key j is visible to lanes r with r < rows and r >= j - limit + 1: every lane for j < limit */
     const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
 #define SEEN(j) ((j) < limit ? lanes : (j) - limit + 1 >= 16 || (j) >= end ? (__mmask16)0 : (__mmask16)(lanes & (0xffffu << ((j) - limit + 1))))
@@ -437,10 +438,10 @@ void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row
     (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt;
     (void)k0, (void)k1;
 }
-void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
                     uint32_t *pt) {
-    (void)q, (void)q_stride, (void)rows, (void)limit, (void)kr, (void)vt, (void)dim, (void)scale, (void)out;
+    (void)q, (void)q_stride, (void)rows, (void)limit, (void)causal, (void)kr, (void)vt, (void)dim, (void)scale, (void)out;
     (void)out_stride, (void)st, (void)pt;
 }
 #endif

@@ -16,7 +16,10 @@
  * Where amx.c's kernels run (AMX, a bf16 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
  * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
  * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
- * token's result, too, does not depend on the batch nor on where its chunk starts or ends.
+ * token's result, too, does not depend on the batch nor on where its chunk starts or ends. There the other
+ * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the same kernel, the query
+ * heads of one KV head in its lanes (heads_attend): a token's keys in sequence order laid out in its
+ * thread's scratch, so a draft token accepted at depth d still produces exactly what decoding it would.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -245,6 +248,12 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
     }
 }
 
+/* Whether one-by-one tokens attend through amx_attend_run (heads in lanes) rather than `attend`. */
+static int heads_attend(const Decoder *m) {
+    return amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
+           m->num_heads / m->num_kv_heads <= 16;
+}
+
 /* The sequence of token t and its keys' cache slots, in sequence order; returns how many. */
 static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *slots) {
     int64_t s = 0;
@@ -451,8 +460,15 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
     int64_t *key_counts = malloc(sizeof(int64_t) * T);
     float *scores = malloc(sizeof(float) * threads * group * most_keys);
+    /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
+    const int by_heads = one_by_one && heads_attend(m);
+    const int64_t keys_pad = (most_keys + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+    const size_t lay_bytes = by_heads ? sizeof(uint16_t) * (size_t)(keys_pad * D) : 64;
+    uint16_t *lay_k = aligned_alloc(64, lay_bytes * threads), *lay_v = aligned_alloc(64, lay_bytes * threads);
+    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
+    uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores;
+                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
@@ -499,7 +515,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const int64_t n_pad = runs.n_pad[r], at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
                         for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) /* one KV head's keys stay in cache */
-                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
+                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1, 1,
                                        runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
                                        runs.scores + omp_get_thread_num() * 16 * RUN_CHUNK,
                                        runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
@@ -509,6 +525,17 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
                     const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
                     if (key_row[t] < 0) continue;
+                    if (by_heads) {
+                        const int me = omp_get_thread_num();
+                        const int64_t n = key_counts[t], n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+                        uint16_t *kr = lay_k + me * lay_bytes / sizeof(uint16_t), *vt = lay_v + me * lay_bytes / sizeof(uint16_t);
+                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, key_slots + key_row[t] * most_keys,
+                                      n, kr, vt, 0, n_pad);
+                        amx_attend_run(wide + t * qkv_width + kv_head * group * D, D, group, n, 0, kr, vt, D, m->scale,
+                                       act + t * q_width + kv_head * group * D, D, lay_st + me * 16 * RUN_CHUNK,
+                                       lay_pt + me * 8 * RUN_CHUNK);
+                        continue;
+                    }
                     attend(wide + t * qkv_width + kv_head * group * D, group, m, layer, kv_head,
                            key_slots + key_row[t] * most_keys, key_counts[t], my_scores,
                            act + t * q_width + kv_head * group * D);
@@ -543,5 +570,9 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(key_slots);
     free(key_counts);
     free(scores);
+    free(lay_k);
+    free(lay_v);
+    free(lay_st);
+    free(lay_pt);
     return failed ? -1 : 0;
 }

@@ -176,7 +176,7 @@ void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int 
                 const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
-void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
                     uint32_t *pt);
 

@@ -158,3 +158,52 @@ def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
                                           meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
         fused_error, eager_error = (float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
         assert fused_error <= eager_error, (cached, new, fused_error, eager_error)
+
+
+def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_layers():
+    """Tokens that attend one by one (a decode, a draft tree's nodes) go through the tiles with a KV head's
+    query heads in the lanes: over more keys than one chunk of the kernel (512) they stay within the eager
+    layers' error against the layers in fp64, and a tree's chain equals decoding its tokens, bit for bit."""
+    model = model64(3)
+    kv = cache(128)
+    kv.allocate("dec", 701)
+    kv.allocate("tree", 604)
+    for layer in range(2):
+        kv.k[layer].normal_()
+        kv.v[layer].normal_()
+    snapshot = (kv.k.clone(), kv.v.clone())
+    seqs = [
+        SequenceLayout(kv.block_tables["dec"], 700, 1),
+        SequenceLayout(kv.block_tables["tree"], 600, 4, [-1, 0, 1, 0]),
+    ]
+    ids = torch.randint(0, 96, (5,))
+    positions = torch.tensor([700, 600, 601, 602, 601])
+    model._fused = None
+    model.enforce_eager = True
+    _, eager = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+    model.enforce_eager = False
+    assert model.fused_decoder(kv, 5) is not None
+    _, fused = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+    ref_kv = PagedKVCache(2, 2, 64, 128, BLOCK, torch.bfloat16, "cpu")
+    ref_kv.k.copy_(snapshot[0])
+    ref_kv.v.copy_(snapshot[1])
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
+                                      meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
+    fused_error, eager_error = (float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
+    assert fused_error <= eager_error, (fused_error, eager_error)
+
+    # the tree's chain 0 -> 1 -> 2, decoded token by token over the same cache, gives the same rows
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    x = model.embed_tokens(ids).float()
+    tree = decoder(x.clone(), positions, build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False))
+    table = kv.block_tables["tree"]
+    for depth in range(3):
+        step = SequenceLayout(table, 600 + depth, 1)
+        row = decoder(x[1 + depth : 2 + depth].clone(), torch.tensor([600 + depth]),
+                      build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
+        assert torch.equal(row[0], tree[1 + depth]), depth
