@@ -19,7 +19,10 @@ per tile product (the same numbers as csrc/vnni.c's), and in a bf16 cache a sequ
 over their keys, flash-style, with Q, K, P and V in bf16 and fp32 softmax and sums (the eager layers'
 precision). Each prompt token's attention is computed the same way however the prompt is cut into chunks
 (and whatever else is in the batch), as each generated token's is by the one-by-one path: so a prompt read
-from cached blocks plus a short remainder gives what reading it whole gives, bit for bit.
+from cached blocks plus a short remainder gives what reading it whole gives, bit for bit. With AMX and a
+bf16 cache the one-by-one tokens (decodes, draft trees) attend through the same tiles and precision too,
+a KV head's query heads in the lanes over the token's keys laid out in its thread's scratch; a draft
+token accepted at depth d still gives exactly what decoding it gives.
 """
 
 from __future__ import annotations
