@@ -129,6 +129,29 @@ def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_o
     assert torch.equal(both[0], alone[0])
 
 
+def errors_against_fp64(model: LlamaModel, kv: PagedKVCache, seqs: list[SequenceLayout], ids, positions):
+    """(fused decoder, eager layers) largest errors relative to the layers in fp64 (activations as int8
+    blocks, K/V in bf16) for one step over `kv`, whose K/V are as before on return."""
+    snapshot = (kv.k.clone(), kv.v.clone())
+    model._fused = None
+    model.enforce_eager = True
+    _, eager = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+    model.enforce_eager = False
+    assert model.fused_decoder(kv, len(ids)) is not None
+    _, fused = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
+    ref_kv = PagedKVCache(2, 2, 64, kv.k.shape[1] // BLOCK, BLOCK, torch.bfloat16, "cpu")
+    ref_kv.k.copy_(snapshot[0])
+    ref_kv.v.copy_(snapshot[1])
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
+                                      meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
+    kv.k.copy_(snapshot[0])
+    kv.v.copy_(snapshot[1])
+    return tuple(float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
+
+
 def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
     """Against the layers in fp64 (activations as int8 blocks, K/V in bf16), the fused decoder's prompt
     runs (bf16 Q, K, P, V) stay within the eager layers' error, over cached tokens and without."""
@@ -139,24 +162,9 @@ def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
         for layer in range(2):
             kv.k[layer].normal_()
             kv.v[layer].normal_()
-        snapshot = (kv.k.clone(), kv.v.clone())
         seqs = [SequenceLayout(kv.block_tables["s"], cached, new, num_prompt=new)]
         ids, positions = torch.randint(0, 96, (new,)), torch.arange(cached, cached + new)
-        model._fused = None
-        model.enforce_eager = True
-        _, eager = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
-        kv.k.copy_(snapshot[0])
-        kv.v.copy_(snapshot[1])
-        model.enforce_eager = False
-        assert model.fused_decoder(kv, new) is not None
-        _, fused = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
-        ref_kv = PagedKVCache(2, 2, 64, 64, BLOCK, torch.bfloat16, "cpu")
-        ref_kv.k.copy_(snapshot[0])
-        ref_kv.v.copy_(snapshot[1])
-        meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
-        ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
-                                          meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
-        fused_error, eager_error = (float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
+        fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions)
         assert fused_error <= eager_error, (cached, new, fused_error, eager_error)
 
 
@@ -171,33 +179,16 @@ def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_l
     for layer in range(2):
         kv.k[layer].normal_()
         kv.v[layer].normal_()
-    snapshot = (kv.k.clone(), kv.v.clone())
     seqs = [
         SequenceLayout(kv.block_tables["dec"], 700, 1),
         SequenceLayout(kv.block_tables["tree"], 600, 4, [-1, 0, 1, 0]),
     ]
     ids = torch.randint(0, 96, (5,))
     positions = torch.tensor([700, 600, 601, 602, 601])
-    model._fused = None
-    model.enforce_eager = True
-    _, eager = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
-    kv.k.copy_(snapshot[0])
-    kv.v.copy_(snapshot[1])
-    model.enforce_eager = False
-    assert model.fused_decoder(kv, 5) is not None
-    _, fused = model(ids, positions, build_attention_metadata(seqs, BLOCK, "cpu"), kv)
-    ref_kv = PagedKVCache(2, 2, 64, 128, BLOCK, torch.bfloat16, "cpu")
-    ref_kv.k.copy_(snapshot[0])
-    ref_kv.v.copy_(snapshot[1])
-    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
-    ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
-                                      meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
-    fused_error, eager_error = (float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
+    fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions)
     assert fused_error <= eager_error, (fused_error, eager_error)
 
     # the tree's chain 0 -> 1 -> 2, decoded token by token over the same cache, gives the same rows
-    kv.k.copy_(snapshot[0])
-    kv.v.copy_(snapshot[1])
     decoder = fused_decoder.FusedDecoder(model, kv)
     x = model.embed_tokens(ids).float()
     tree = decoder(x.clone(), positions, build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False))
