@@ -283,8 +283,7 @@ static inline AMX_FN __m512 exp2_16(__m512 x) {
 
 /* Attention of `rows` (<= 16) consecutive tokens of a causal run for one query head: row r (q + r q_stride,
  * fp32, dim values) sees keys [0, limit + r) of its sequence; out + r out_stride = softmax(q K^T scale) V,
- * fp32. With causal 0 every row sees keys [0, limit): the query heads of one token that share a KV head.
- * fp32. Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
+ * fp32; with causal 0 every row sees keys [0, limit) (the query heads of one token that share a KV head). Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
  * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [RUN_CHUNK][16] fp32), their
  * maximum, their probabilities (pt: [RUN_CHUNK / 2][16] pairs of bf16), P V; the sums so far are rescaled
  * when the maximum grows (an online softmax over chunks). dim: 32, 64, 96 or 128. */

@@ -355,6 +355,8 @@ int decoder_profile(int on, double *out) {
 #define RUN_KEYS 64   /* a run's laid-out keys are padded to a multiple of this */
 #define PACK_KEYS 256 /* keys laid out per task */
 
+static inline int64_t pad_keys(int64_t n) { return (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS; }
+
 /* How many lead new tokens of sequence s attend through amx_attend_run (the rest token by token, attend). */
 static int64_t run_tokens(const Decoder *m, const Batch *b, int64_t s) {
     return b->runs && amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 ? b->runs[s] : 0;
@@ -394,7 +396,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
     for (int64_t s = 0; s < B; s++)
         if (run_tokens(m, b, s)) {
             const int64_t num_new = b->query_start[s + 1] - b->query_start[s];
-            const int64_t n = b->seq_lens[s] - num_new + run_tokens(m, b, s), n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+            const int64_t n = b->seq_lens[s] - num_new + run_tokens(m, b, s), n_pad = pad_keys(n);
             runs++, keys += n, padded += n_pad;
             pack += Hk * ((n_pad + PACK_KEYS - 1) / PACK_KEYS);
             attend += Hk * ((run_tokens(m, b, s) + 15) / 16);
@@ -417,7 +419,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
         const int64_t in_run = run_tokens(m, b, s);
         if (!in_run) continue;
         const int64_t first = b->query_start[s], num_new = b->query_start[s + 1] - first;
-        const int64_t cached = b->seq_lens[s] - num_new, n = cached + in_run, n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
+        const int64_t cached = b->seq_lens[s] - num_new, n = cached + in_run, n_pad = pad_keys(n);
         const int32_t *table = b->block_tables + s * b->table_stride;
         r->seq[i] = s, r->n_pad[i] = n_pad, r->slot_at[i] = at, r->buf_at[i] = buf;
         for (int64_t c = 0; c < cached; c++) r->slots[at + c] = (int64_t)table[c / bs] * bs + c % bs;
@@ -462,9 +464,9 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     float *scores = malloc(sizeof(float) * threads * group * most_keys);
     /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
     const int by_heads = one_by_one && heads_attend(m);
-    const int64_t keys_pad = (most_keys + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
-    const size_t lay_bytes = by_heads ? sizeof(uint16_t) * (size_t)(keys_pad * D) : 64;
-    uint16_t *lay_k = aligned_alloc(64, lay_bytes * threads), *lay_v = aligned_alloc(64, lay_bytes * threads);
+    const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
+    const size_t lay_bytes = sizeof(uint16_t) * (size_t)(lay_size * threads);
+    uint16_t *lay_k = aligned_alloc(64, lay_bytes), *lay_v = aligned_alloc(64, lay_bytes);
     float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
@@ -527,10 +529,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     if (key_row[t] < 0) continue;
                     if (by_heads) {
                         const int me = omp_get_thread_num();
-                        const int64_t n = key_counts[t], n_pad = (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS;
-                        uint16_t *kr = lay_k + me * lay_bytes / sizeof(uint16_t), *vt = lay_v + me * lay_bytes / sizeof(uint16_t);
+                        const int64_t n = key_counts[t];
+                        uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
                         amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, key_slots + key_row[t] * most_keys,
-                                      n, kr, vt, 0, n_pad);
+                                      n, kr, vt, 0, pad_keys(n));
                         amx_attend_run(wide + t * qkv_width + kv_head * group * D, D, group, n, 0, kr, vt, D, m->scale,
                                        act + t * q_width + kv_head * group * D, D, lay_st + me * 16 * RUN_CHUNK,
                                        lay_pt + me * 8 * RUN_CHUNK);
