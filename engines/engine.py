@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engines.cuda_graphs import StepGraphs, graph_buckets
 from engines.drafters.factory import make_drafter
 from engines.engine_config import EngineConfig
 from engines.errors import ContextLengthError, InvalidRequestError
@@ -95,6 +96,10 @@ class LLMEngine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         set_kernel_mode(config.kernels)
+        if config.device.startswith("cuda"):
+            # cuDNN's attention builds an execution plan for every new shape (about 50 ms each on an H200);
+            # the drafters' attention changes shape every step, so flash / memory-efficient kernels serve it
+            torch.backends.cuda.enable_cudnn_sdp(False)
         tp = None if self.workers is None else self.workers.tp
         loaded = load_model(config.model, config.dtype, config.device, tp=tp, quantization=config.quantization)
         self.quantization = loaded.quantization
@@ -136,7 +141,14 @@ class LLMEngine:
             self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk, keys_per_token
         )
         if self.workers is None:
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs)
+            graphs = None
+            if self.device.type == "cuda" and not config.enforce_eager and config.kernels != "torch":
+                tree_tokens = 1 if config.drafter == "none" else config.spec_budget + 1
+                buckets = graph_buckets(config.max_num_seqs, tree_tokens, config.max_num_batched_tokens)
+                # block tables as wide as the longest sequence and its tree's padding (plus a lookahead block)
+                blocks = -(-(self.max_model_len + max(q for _, q in buckets)) // config.block_size) + 2
+                graphs = StepGraphs(self.model, self.kv_cache, buckets, blocks, capture=True)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, graphs)
         else:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
             spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32)

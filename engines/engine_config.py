@@ -95,7 +95,9 @@ class EngineConfig(BaseModel):
         description="Target weights on CPU; auto = a GGUF's own 4-bit blocks (the embedded model), int8 for another "
         "checkpoint in bf16/fp16, none in fp32 or on CUDA",
     )
-    enforce_eager: bool = Field(False, description="The target's eager layers at every step (no fused CPU decoder)")
+    enforce_eager: bool = Field(
+        False, description="The target's eager layers at every step (no fused CPU decoder, no CUDA graphs)"
+    )
 
     @field_validator("dtype")
     @classmethod

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.attention import SequenceLayout, build_attention_metadata
+from engines.cuda_graphs import StepGraphs
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
 from engines.step_plan import StepPlan
@@ -43,13 +44,22 @@ class StepResult:
 class ModelRunner:
     """Owns the model and KV cache tensors; turns a `StepPlan` into one forward pass.
 
-    Block tables live in a persistent device buffer whose rows are overwritten each step."""
+    Block tables live in a persistent device buffer whose rows are overwritten each step. With `graphs`
+    (CUDA) the steps they hold replay CUDA graphs captured at construction (engines/cuda_graphs.py)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, device: torch.device, max_num_seqs: int = 64):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: PagedKVCache,
+        device: torch.device,
+        max_num_seqs: int = 64,
+        graphs: StepGraphs | None = None,
+    ):
         self.model = model
         self.kv = kv_cache
         self.device = device
         self.block_tables = torch.zeros(max_num_seqs, 1, dtype=torch.int32, device=device)
+        self.graphs = graphs
 
     def _table_buffer(self, rows: int, width: int) -> torch.Tensor:
         """The persistent block-table buffer, grown when a step needs more rows or blocks."""
@@ -63,6 +73,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan, logits: bool = True) -> StepResult:
         """One target forward over every sequence's new tokens; K/V are written to the cache. Without
         `logits` (a tensor-parallel rank other than 0) no logits rows are computed."""
+        bucket = self.graphs.bucket(plan) if self.graphs is not None and logits else None
+        if bucket is not None:
+            out, hidden = self.graphs.run(plan, bucket)
+            return StepResult(out, hidden, plan)
         seqs = []
         for b in range(plan.num_seqs):
             lo, hi = plan.query_start[b], plan.query_start[b + 1]

@@ -345,13 +345,15 @@ class SpecDecodeExecutor:
             for b, r in zip(drafted, verified, strict=True)
         ]
         self.runner.move_kv(*self.kv.path_moves(commits))
-        for b, result in zip(drafted, verified, strict=True):
+        # every accepted path's hidden states in one gather (one host-to-device copy of the rows)
+        rows = [step.plan.query_start[b] + i for b, r in zip(drafted, verified, strict=True) for i in r.path]
+        rows_on_device = torch.tensor(rows).to(step.hidden.device, non_blocking=True)
+        path_hidden = step.hidden.index_select(0, rows_on_device).split([len(r.path) for r in verified])
+        for b, result, hidden in zip(drafted, verified, path_hidden, strict=True):
             req, tree = scheduled[b].request, drafts[b]
             self.stats.record(tree, result)
             self.policy.observe_verified(req, tree, result.path)
-            hidden = step.seq_hidden(b)
-            path = torch.tensor(result.path, device=hidden.device)
-            self.drafter.on_verified(req, tree, result, hidden.index_select(0, path))
+            self.drafter.on_verified(req, tree, result, hidden)
             results[b] = RequestStepResult(
                 req,
                 num_computed_tokens=len(result.path),

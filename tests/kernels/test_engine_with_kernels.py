@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from engines.cuda_graphs import StepGraphs, graph_buckets
 from engines.drafters.checkpoint import save_draft_model, save_hot_tokens
 from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
@@ -112,5 +113,62 @@ def test_engine_with_triton_kernels_equals_plain_decoding(tiny_target, drafters,
         assert stats.kv_free_blocks == 64
         if drafter == "lyanna":
             assert e.executor.drafter.token_info.__class__.__name__ == "TokenInfoTable"  # the expansion kernel's input
+    finally:
+        dispatch.set_kernel_mode("auto")
+
+
+def same_as_eager(e: LLMEngine):
+    """The runner's `execute`, checking each step against the eager forward from the same cache: logits,
+    hidden states and every K/V written."""
+    runner, execute, kv = e.runner, e.runner.execute, e.kv_cache
+
+    def checked(plan, logits=True):
+        graphs, before = runner.graphs, (kv.k.clone(), kv.v.clone())
+        runner.graphs = None
+        want, want_cache = execute(plan, logits), (kv.k.clone(), kv.v.clone())
+        kv.k.copy_(before[0])
+        kv.v.copy_(before[1])
+        runner.graphs = graphs
+        got = execute(plan, logits)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close((kv.k, kv.v), want_cache, rtol=1e-5, atol=1e-5)
+        return got
+
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["none", "lyanna"])
+def test_steps_through_the_graph_buffers_equal_plain_decoding(tiny_target, drafters, plain_outputs, drafter):
+    """Steps replayed from `StepGraphs`' static buffers (captured CUDA graphs on a GPU; on CPU the same
+    buffers and padding, run eagerly): decode tokens of three sequences padded to a bucket of four (Q = 1),
+    draft trees of four sequences padded to Q = 8; each step equals the eager one."""
+    greedy_want, sampled_want = plain_outputs
+    first = 1 if drafter == "none" else 0
+    try:
+        e = engine(tiny_target, "triton", drafter, drafters.get(drafter))
+        if e.runner.graphs is None:
+            e.runner.graphs = StepGraphs(e.model, e.kv_cache, graph_buckets(8, 7, 2048), 32, capture=False)
+        graphs = e.runner.graphs
+        e.runner.execute = same_as_eager(e)
+        for params, want in [
+            ([SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)] * 4, greedy_want),
+            (sampled_params(), sampled_want),
+        ]:
+            before = graphs.replays.copy()
+            pairs = zip(PROMPTS[first:], params[first:], strict=True)
+            reqs = [e.add_request(None, p, prompt_token_ids=q) for q, p in pairs]
+            while any(not r.finished for r in reqs):
+                e.step()
+            assert [r.output_token_ids for r in reqs] == want[first:]
+            replays = graphs.replays - before
+            if drafter == "none":
+                assert replays[1] == MAX_NEW - 1  # every step after the prompts' is a decode replay
+            else:
+                assert replays[8] > 0  # the trees' steps
+        stats = e.stats()
+        assert stats.kv_free_blocks == 64
+        assert drafter == "none" or stats.spec.num_accepted_tokens > 0
     finally:
         dispatch.set_kernel_mode("auto")
