@@ -242,8 +242,13 @@ class LLMEngine:
             stop_ids |= self.tokenizer.stop_token_ids
         # a spec the grammar library cannot compile fails here, naming its field; nothing else is touched
         grammar = None if params.structured is None else self.structured.matcher(params.structured)
+        resumed = request.resume_token_ids or []
+        if resumed and (len(resumed) >= max_tokens or not all(isinstance(t, int) and 0 <= t < vocab for t in resumed)):
+            raise InvalidRequestError(
+                "resume_token_ids must be valid token ids, fewer than max_tokens", param="resume_token_ids"
+            )
         seed = params.resolve_seed()  # drawn once: every positional draw of the request uses it
-        return Request(
+        req = Request(
             request_id=request.request_id,
             prompt_token_ids=prompt,
             params=params,
@@ -257,6 +262,23 @@ class LLMEngine:
             tpot_target_s=request.tpot_target_s,
             grammar=grammar,
         )
+        if resumed:
+            self._resume(req, resumed, request.resume_text_sent)
+        return req
+
+    @staticmethod
+    def _resume(req: Request, tokens: list[int], text_sent: int) -> None:
+        """Take a resumed request's produced tokens as its output so far (text, grammar state) without
+        emitting them: its prefill computes them with the prompt, its next token is output index
+        len(tokens), and its first delta carries the text the client does not have yet."""
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            req.output_text += req.detokenizer.push([tok])
+            if req.grammar is not None:
+                req.grammar.advance(tok)
+        req.num_resumed_tokens = req.num_tokens_sent = len(tokens)
+        req.num_text_sent = min(text_sent, len(req.output_text))
+        req.prompt_logprobs_sent = True  # the first replica sent them
 
     def add(self, request: Request) -> None:
         """Queue a request made by `make_request` or `admit`."""
@@ -410,7 +432,7 @@ class LLMEngine:
         new_ids = req.output_token_ids[req.num_tokens_sent :]
         logprobs = None
         if req.params.logprobs is not None:
-            logprobs = req.output_logprobs[req.num_tokens_sent :]
+            logprobs = req.output_logprobs[req.num_tokens_sent - req.num_resumed_tokens :]
         prompt_logprobs = None
         if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             prompt_logprobs, req.prompt_logprobs_sent = [None, *req.prompt_logprob_entries], True

@@ -53,6 +53,11 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecParams | None = None  # None: the engine's default speculation
     tpot_target_s: float | None = None  # time-per-output-token target (SLO) the speculation policy honours
+    # Resumption (a replica failed mid-request): the answer's tokens already produced, which the request
+    # continues after as if uninterrupted (same seed: the positional noise goes on at their count), and
+    # how many characters of their text the client already has (what was held back is sent again).
+    resume_token_ids: list[int] | None = None
+    resume_text_sent: int = 0
 
 
 @dataclass(eq=False)  # identity semantics: queues look requests up with `in` / `remove`
@@ -96,7 +101,8 @@ class Request:
     # The grammar its output must follow (params.structured, compiled at admission), advanced with
     # every emitted token; None for free text.
     grammar: GrammarState | None = None
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when asked
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token after the resumed ones
+    num_resumed_tokens: int = 0  # output tokens it was admitted with (GenerationRequest.resume_token_ids)
     prompt_logprob_entries: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked
     prompt_logprobs_sent: bool = False
 
