@@ -7,8 +7,9 @@ with its HTTP status, and every generation response's status (chat and completio
 400 for a body that is not JSON or breaks the schema (strict types and OpenAI's ranges), 404 for an
 unknown model or path, 405 for a wrong method, 413 for a body over `max_request_body_bytes`, 415 for a
 body that is not JSON by its content type, 503 when every replica is saturated or the replica serving
-the request failed (with `Retry-After`), 500 for anything unforeseen. A stream whose replica fails
-ends with an error event and `[DONE]`, never a cut connection.
+the request failed and it could not be resumed on another (serve_app/resumption.py; with `Retry-After`),
+500 for anything unforeseen. A stream whose replica fails is resumed; when it cannot be, it ends with
+an error event and `[DONE]`, never a cut connection.
 
 `/health` is readiness: 200 only while at least one LLM replica has loaded its model and answers;
 `/metrics` and `/debug/engine` read the stats every running replica last reported (through the
@@ -60,6 +61,7 @@ from serve_app.responses import (
     SpeculationStats,
     Usage,
 )
+from serve_app.resumption import ResumableStream
 from serve_app.schemas import ChatCompletionRequest, CompletionRequest, error_param
 from serve_app.tracing import TracingSettings
 
@@ -102,6 +104,14 @@ class IngressSettings(BaseModel):
     )
     health_timeout_s: float = Field(
         default=2.0, gt=0, description="How long /health waits for a replica to answer before it reports 503"
+    )
+    max_resumptions: int = Field(
+        default=2,
+        ge=0,
+        description="Times a request whose replica fails is resumed on another (0: it fails with replica_failed)",
+    )
+    resume_wait_s: float = Field(
+        default=60.0, gt=0, description="How long a resumed request may wait for a live replica to take and answer it"
     )
 
 
@@ -558,10 +568,18 @@ class Ingress:
             chat = req.chat_request(rid, self.slo, self.spec_default, self.spec_policy)
         except InvalidRequestError as e:
             return error_response(400, e.message, e.param, e.code)
+        chat = chat.with_fixed_seed()  # a resumption must draw as the first replica would have
         _request_attributes(span, req, rid)
-        stream = self.llm.generate.remote(chat, tracing.inject(span))
+        carrier = tracing.inject(span)
+        stream = ResumableStream(
+            lambda c: self.llm.generate.remote(c, carrier),
+            chat,
+            self.settings.max_resumptions,
+            self.settings.resume_wait_s,
+            self.metrics.observe_resumption,
+        )
         try:
-            first = await anext(stream)
+            first = await stream.start()
         except BackPressureError:  # every replica busy and its queue full: shed load, ask to retry
             return _retry_later("all replicas are saturated; retry later", "server_overloaded")
         except Exception as e:  # the replica died or failed before answering
@@ -587,9 +605,9 @@ class Ingress:
                 choices.push(item)
                 if choices.finished:
                     break
-                item = await anext(stream)
+                item = await stream.next()
                 timing.delivered(item)
-        except Exception as e:  # the replica died mid-request
+        except Exception as e:  # the replica died mid-request, and the request could not be resumed
             stream.cancel()
             log.warning("replica failed mid-request: %r", e, extra={"chat_id": rid})
             return _failed(e, "mid-request")
@@ -624,7 +642,7 @@ class Ingress:
         chat: ChatRequest,
         choices: _Choices,
         first: StreamDelta,
-        stream,
+        stream: ResumableStream,
         include_usage: bool,
         timing: _Timing,
         span: Span,
@@ -650,8 +668,8 @@ class Ingress:
                         yield event([], _usage(choices.outcome()))
                     break
                 try:
-                    item = await anext(stream)
-                except Exception as e:  # the replica died mid-stream: tell the client, then end cleanly
+                    item = await stream.next()
+                except Exception as e:  # the replica died mid-stream and it could not be resumed: say so, end
                     failed = True
                     log.warning("replica failed mid-stream: %r", e, extra={"chat_id": rid})
                     _, code, message = _replica_failure(e, "mid-stream")

@@ -13,6 +13,7 @@ and the span attributes; only the edges whose names are contracts rename them: O
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 
 from engines.errors import InvalidRequestError
@@ -31,6 +32,22 @@ def seed_of_choice(seed: int | None, index: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class ChoiceProgress:
+    """How far a client has one choice of a request: its tokens and the characters of its text it has
+    received, and whether it had its last delta (what a resumption continues from)."""
+
+    token_ids: tuple[int, ...] = ()
+    text_sent: int = 0
+    finished: bool = False
+
+    def after(self, delta: StreamDelta) -> ChoiceProgress:
+        """The progress once `delta` has reached the client."""
+        return ChoiceProgress(
+            self.token_ids + delta.new_token_ids, self.text_sent + len(delta.new_text), delta.finished
+        )
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A validated chat or text-completion request: what the engine generates, and the SLO target it is
     measured against. `n` choices are generated (`generations`); `echo` (completions) asks the replica
@@ -40,6 +57,36 @@ class ChatRequest:
     slo: SLOTarget = field(default_factory=SLOTarget)
     n: int = 1
     echo: bool = False
+    resume: tuple[ChoiceProgress, ...] | None = None  # per choice, when a replica failed mid-request
+
+    def choices(self) -> list[tuple[int, GenerationRequest]]:
+        """(choice index, engine request) of every choice to run: all `n`, or on a resumption the
+        unfinished ones, each continuing after the tokens its client has."""
+        generations = list(enumerate(self.generations()))
+        if self.resume is None:
+            return generations
+        return [
+            (i, dataclasses.replace(g, resume_token_ids=list(p.token_ids), resume_text_sent=p.text_sent))
+            for (i, g), p in zip(generations, self.resume, strict=True)
+            if not p.finished
+        ]
+
+    def resumed(self, progress: list[ChoiceProgress], attempt: int) -> ChatRequest:
+        """This request continued from `progress` (one per choice) on another replica: its engine requests
+        get ids of their own (`<id>-r<attempt>`), and an echoed prompt is not sent again."""
+        base = self.request_id if self.resume is None else self.request_id.rsplit("-r", 1)[0]
+        request_id = f"{base}-r{attempt}"
+        generation = dataclasses.replace(self.generation, request_id=request_id)
+        return dataclasses.replace(self, generation=generation, resume=tuple(progress), echo=False)
+
+    def with_fixed_seed(self) -> ChatRequest:
+        """A sampled request without a seed gets one drawn now, so that a resumption draws as the first
+        replica would have (greedy requests and seeded ones are returned as they are)."""
+        params = self.generation.params
+        if params.seed is not None or params.greedy:
+            return self
+        seeded = dataclasses.replace(params, seed=random.getrandbits(63))
+        return dataclasses.replace(self, generation=dataclasses.replace(self.generation, params=seeded))
 
     def generations(self) -> list[GenerationRequest]:
         """The engine requests of the `n` choices: the request itself for one choice; else choice i is
@@ -111,6 +158,7 @@ class StreamDelta:
     finish_time: float | None  # set on the last delta
     replica: str | None = None  # the first delta names the replica serving the request
     index: int = 0  # the choice (of n) this delta belongs to
+    new_token_ids: tuple[int, ...] = ()  # the new tokens (what a resumption continues after)
     logprobs: tuple[LogprobEntry, ...] | None = None  # the new tokens', when the request asked
     prompt_text: str | None = None  # echo: the prompt, on a choice's first delta
     prompt_logprobs: tuple[LogprobEntry, ...] | None = None  # echo with logprobs: the prompt's tokens
@@ -144,6 +192,7 @@ class StreamDelta:
             finish_time=out.finish_time,
             replica=replica,
             index=index,
+            new_token_ids=tuple(out.new_token_ids),
             logprobs=logprobs,
             prompt_text=prompt_text,
             prompt_logprobs=prompt_logprobs,
@@ -165,6 +214,7 @@ class StreamDelta:
         return dataclasses.replace(
             first,
             new_text="",
+            new_token_ids=(),
             num_output_tokens=sum(d.num_output_tokens for d in lasts),
             num_forwards=max(d.num_forwards for d in lasts),
             num_spec_steps=spec_steps,

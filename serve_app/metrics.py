@@ -106,6 +106,13 @@ class ServeMetrics:
             [*names, "reason"],
             registry=r,
         )
+        self.resumptions = Counter(
+            "lyanna_resumptions",
+            "Requests resumed on another replica after the one serving them failed, by reason "
+            "(replica_died, replica_unavailable, engine_failed)",
+            [*names, "reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("lyanna_prompt_tokens", "Prompt tokens", names, registry=r)
         self.generated_tokens = Counter("lyanna_generated_tokens", "Generated tokens", names, registry=r)
         self.accepted_per_step = Histogram(
@@ -195,6 +202,10 @@ class ServeMetrics:
     def observe_stream_error(self, reason: str) -> None:
         """A stream that ended before its last token."""
         self.stream_errors.labels(**self.labels, reason=reason).inc()
+
+    def observe_resumption(self, reason: str) -> None:
+        """A request sent to another replica after the one serving it failed."""
+        self.resumptions.labels(**self.labels, reason=reason).inc()
 
     def observe_replicas(self, replicas: list[dict[str, Any]]) -> None:
         """Set the engine gauges from every running replica's latest stats; drop the series of gone ones."""

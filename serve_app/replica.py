@@ -152,8 +152,9 @@ class LLMReplica:
         span = self.tracer.start_span("generate", context=tracing.extract(trace_context))
         lasts: dict[int, StreamDelta] = {}
         error: str | None = None
-        streams = [self.async_engine.generate(g) for g in request.generations()]
-        # choice i's next delta is pending[future] == i; the first ones are awaited together
+        choices = request.choices()  # (all of them, or the unfinished ones of a resumed request)
+        streams = [self.async_engine.generate(g) for _, g in choices]
+        # stream i's next delta is pending[future] == i; the first ones are awaited together
         pending: dict[asyncio.Future[RequestOutput], int] = {
             asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)
         }
@@ -167,7 +168,8 @@ class LLMReplica:
                 return
             ready, pending = sorted((i, f.result()) for f, i in pending.items()), {}
             for i, out in ready:
-                lasts[i] = self._delta(request, i, out, first=True, replica=self.replica_id if i == 0 else None)
+                replica = self.replica_id if i == 0 else None
+                lasts[i] = self._delta(request, choices[i][0], out, first=True, replica=replica)
                 yield lasts[i]
                 if not out.finished:
                     pending[asyncio.ensure_future(anext(streams[i]))] = i
@@ -176,7 +178,7 @@ class LLMReplica:
                 for future in done:
                     i = pending.pop(future)
                     out = future.result()
-                    lasts[i] = self._delta(request, i, out)
+                    lasts[i] = self._delta(request, choices[i][0], out)
                     yield lasts[i]
                     if not out.finished:
                         pending[asyncio.ensure_future(anext(streams[i]))] = i
@@ -186,7 +188,7 @@ class LLMReplica:
             await asyncio.gather(*pending, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()  # a choice still running is aborted and frees its blocks
-            last = StreamDelta.combined([lasts[i] for i in sorted(lasts)]) if len(lasts) == request.n else None
+            last = StreamDelta.combined([lasts[i] for i in sorted(lasts)]) if len(lasts) == len(choices) else None
             self._record(span, request, start, last, error)
             self._remember_prefix(request)
 

@@ -64,7 +64,11 @@ def base_url():
     watcher.start()
     serve.run(build_app({"engine": ENGINE, "ingress": {"health_timeout_s": 1.0}}), name="rel", route_prefix="/rel")
     watcher.join()
-    serve.run(build_app({"engine": ENGINE, "ingress": {"health_timeout_s": 1.0}}), name="kill", route_prefix="/kill")
+    # Killed under requests: with resumption (speculation on), and with resumption off.
+    spec = ENGINE | {"drafter": "lyanna", "spec_depth": 3, "spec_width": 2, "spec_budget": 6}
+    serve.run(build_app({"engine": spec, "ingress": {"health_timeout_s": 1.0}}), name="kill", route_prefix="/kill")
+    no_resume = {"health_timeout_s": 1.0, "max_resumptions": 0}
+    serve.run(build_app({"engine": ENGINE, "ingress": no_resume}), name="kill0", route_prefix="/kill0")
     yield url, seen
     serve.shutdown()
     ray.shutdown()
@@ -297,16 +301,18 @@ def _kill_llm_replica(app: str) -> None:
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
 
-def test_killing_the_replica_fails_health_ends_requests_cleanly_and_recovers(base_url):
-    url = f"{base_url[0]}/kill"
-    assert poll_health(url, 200, 60)[-1][1] == 200
-    long = with_(max_tokens=80, messages=[{"role": "user", "content": "Tell a long story about the sea."}])
+LONG = with_(max_tokens=80, messages=[{"role": "user", "content": "Tell a long story about the sea."}])
+
+
+def stream_and_post(url: str, stream_body: dict, post_body: dict, kill: str | None) -> tuple[list[str], httpx.Response]:
+    """A stream and a non-streaming request at once; with `kill`, that app's LLM replica is killed once the
+    stream has had three events. The stream's events and the other's response."""
     events: list[str] = []
     started = threading.Event()
     unary: list[httpx.Response] = []
 
     def stream() -> None:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=long | {"stream": True}, timeout=120) as res:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=stream_body, timeout=240) as res:
             for line in res.iter_lines():
                 if line:
                     events.append(line)
@@ -314,16 +320,63 @@ def test_killing_the_replica_fails_health_ends_requests_cleanly_and_recovers(bas
                     started.set()
 
     def whole() -> None:
-        unary.append(httpx.post(f"{url}/v1/chat/completions", json=long, timeout=120))
+        unary.append(httpx.post(f"{url}/v1/chat/completions", json=post_body, timeout=240))
 
     threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
     for t in threads:
         t.start()
     assert started.wait(60)
-    killed = time.monotonic()
-    _kill_llm_replica("kill")
+    if kill is not None:
+        _kill_llm_replica(kill)
     for t in threads:
-        t.join(120)
+        t.join(240)
+    return events, unary[0]
+
+
+def stream_text(events: list[str]) -> tuple[str, dict | None]:
+    """A chat stream's text and its usage chunk."""
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e != "data: [DONE]"]
+    assert all("error" not in c for c in chunks), chunks[-2:]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text, next((c["usage"] for c in chunks if c.get("usage")), None)
+
+
+def test_requests_whose_replica_is_killed_resume_on_its_replacement_and_answer_as_if_undisturbed(base_url):
+    """Greedy (streamed) and seeded sampled (not streamed) requests, speculation on: the replica dies under
+    them, Serve replaces it, and both answers equal those of an undisturbed run, usage included."""
+    url = f"{base_url[0]}/kill"
+    assert poll_health(url, 200, 60)[-1][1] == 200
+    streamed = LONG | {"stream": True, "stream_options": {"include_usage": True}}
+    seeded = LONG | {"temperature": 0.8, "seed": 5}
+    start = time.monotonic()
+    events, unary = stream_and_post(url, streamed, seeded, kill=None)
+    undisturbed = time.monotonic() - start
+    want_text, want_usage = stream_text(events)
+    assert unary.status_code == 200, unary.text
+    want_answer = unary.json()
+    start = time.monotonic()
+    events, unary = stream_and_post(url, streamed, seeded, kill="kill")
+    resumed = time.monotonic() - start
+    print(f"undisturbed {undisturbed:.1f} s; with the replica killed and resumed {resumed:.1f} s")
+    assert events[-1] == "data: [DONE]"
+    assert stream_text(events) == (want_text, want_usage) and want_usage["completion_tokens"] == 80
+    assert unary.status_code == 200, unary.text
+    answer = unary.json()
+    assert answer["choices"][0]["message"] == want_answer["choices"][0]["message"]
+    assert answer["usage"] == want_answer["usage"]
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    resumptions = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("lyanna_resumptions_total")]
+    assert sum(resumptions) == 2, [line for line in text.splitlines() if "resumptions" in line]
+    assert 'reason="replica_failed"' not in text  # no stream ended with an error
+
+
+def test_killing_the_replica_fails_health_ends_requests_cleanly_and_recovers(base_url):
+    """With `max_resumptions: 0` a request whose replica dies fails as OpenAI's error."""
+    url = f"{base_url[0]}/kill0"
+    assert poll_health(url, 200, 60)[-1][1] == 200
+    killed = time.monotonic()
+    events, response = stream_and_post(url, LONG | {"stream": True}, LONG, kill="kill0")
+    unary = [response]
     # The stream ends with an error event and [DONE], not a cut connection.
     assert events[-1] == "data: [DONE]", events[-3:]
     error = json.loads(events[-2].removeprefix("data: "))["error"]
