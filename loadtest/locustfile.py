@@ -24,7 +24,7 @@ import time
 
 from locust import HttpUser, constant, events, task
 
-from loadtest.client import request_body, stream_error
+from loadtest.client import request_body, stream_error, stream_problem
 from loadtest.runner import slo_settings
 from loadtest.workload import Workload, load_prompts, parse_mix
 
@@ -64,7 +64,7 @@ class ChatUser(HttpUser):
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
-            done, error = False, None
+            done, error, usage, finish = False, None, None, None
             for raw in resp.iter_lines():
                 line = raw.decode() if isinstance(raw, bytes) else raw
                 if not line.startswith("data: "):
@@ -76,7 +76,8 @@ class ChatUser(HttpUser):
                 chunk = json.loads(data)
                 error = error or stream_error(chunk)
                 if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                    tokens = usage = chunk["usage"]["completion_tokens"]
+                finish = next((c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")), finish)
                 if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if ttft is None:
@@ -85,11 +86,9 @@ class ChatUser(HttpUser):
                     else:
                         _metric("itl", (now - last) * 1e3)
                     last = now
-            if error is not None:
-                resp.failure(f"stream error: {error}")  # a cut answer is not a success
-                return
-            if not done:
-                resp.failure("stream ended without [DONE]")
+            problem = stream_problem(done, error, usage, finish, job.max_tokens)
+            if problem is not None:  # a cut or short answer is not a success
+                resp.failure(f"{problem[0]}: {problem[1]}")
                 return
             resp.success()
         e2e = time.perf_counter() - start

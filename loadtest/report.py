@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ def summarize(
         "completed": len(ok),
         "errors": len(results) - len(ok),
         "error_rate": (len(results) - len(ok)) / len(results) if results else 0.0,
+        "error_kinds": dict(Counter(r.error_kind or "unknown" for r in results if not r.ok).most_common()),
         "error_examples": sorted({(r.error or str(r.status))[:200] for r in results if not r.ok})[:5],
         "request_throughput": len(ok) / duration_s,
         "output_token_throughput": sum(r.output_tokens for r in ok) / duration_s,

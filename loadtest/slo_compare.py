@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import socket
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         table[name] = {
             "goodput": _mean(s["goodput"] for s in summaries),
             "errors": sum(s["errors"] for s in summaries),
+            "error_kinds": dict(sum((Counter(s.get("error_kinds", {})) for s in summaries), Counter())),
             "accepted_tokens_per_step": _mean(s.get("mean_accepted_tokens_per_step") or 0 for s in summaries),
             "classes": {
                 c: {
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         }
     for name, row in table.items():
         print(
-            f"{name:22s} goodput {row['goodput']:.3f} req/s  errors {row['errors']}  "
+            f"{name:22s} goodput {row['goodput']:.3f} req/s  errors {row['errors']} {row['error_kinds'] or ''}  "
             f"accepted/step {row['accepted_tokens_per_step']:.2f}"
         )
         for c, cr in row["classes"].items():

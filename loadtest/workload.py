@@ -13,11 +13,14 @@ _WORDS = "the of and to in is that for it as was with be by on not he this are o
 
 @dataclass(frozen=True)
 class ChatJob:
-    """One request to send: its messages, output limit and SLO class (None: no `slo` field)."""
+    """One request to send: its messages, output limit and SLO class (None: no `slo` field); greedy unless
+    it has a temperature (and then a seed, when given)."""
 
     messages: list[dict[str, str]]
     max_tokens: int
     slo_class: str | None = None
+    temperature: float = 0.0
+    seed: int | None = None
 
 
 def load_prompts(source: str, num: int, seed: int = 0, input_words: int = 64) -> list[list[dict[str, str]]]:

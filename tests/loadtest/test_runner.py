@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from loadtest.__main__ import main
+from loadtest.chaos import ChaosConfig, jobs, run_chaos
 from loadtest.client import RequestResult, run_chat
 from loadtest.multiturn import MultiTurnConfig, TurnResult, held_out_conversations, run_multiturn, shared_prefix_share
 from loadtest.multiturn import summarize as multiturn_summary
@@ -72,28 +73,45 @@ def test_summary_percentiles_goodput_and_acceptance():
     json.dumps(s)
 
 
-def test_a_stream_cut_by_an_error_event_counts_as_an_error():
-    """A 200 stream that carries an error event (its replica died mid-answer) and then [DONE] is a failed
-    request in the summary, not a completed one; a clean stream next to it still completes."""
-    content = 'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
-    cut = 'data: {"error":{"message":"the model replica failed","type":"server_error","code":"replica_failed"}}\n\n'
-    usage = 'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+CONTENT = 'data: {"choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+STOP = 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+LENGTH = 'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+CUT = 'data: {"error":{"message":"the model replica failed","type":"server_error","code":"replica_failed"}}\n\n'
+USAGE = 'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+DONE = "data: [DONE]\n\n"
+# (what a 200 stream carries, the error kind the client records; None: a success)
+STREAMS = {
+    "whole": (CONTENT + STOP + USAGE + DONE, None),
+    "cut by an error event": (CONTENT + CUT + DONE, "stream_error"),
+    "no [DONE]": (CONTENT + STOP + USAGE, "no_done"),
+    "no usage": (CONTENT + STOP + DONE, "no_usage"),
+    "no finish reason": (CONTENT + USAGE + DONE, "no_finish_reason"),
+    "1 of 8 tokens, finish reason length": (CONTENT + LENGTH + USAGE + DONE, "short_answer"),
+}
+
+
+def test_the_client_counts_what_it_sees_cut_and_short_streams_are_errors():
+    """A 200 stream that was cut (an error event: its replica died and it could not be resumed), ended
+    without [DONE], usage or a finish reason, or stopped short of max_tokens without a stop is a failed
+    request in the summary, by kind; a whole stream next to them completes."""
 
     def handler(request: httpx.Request) -> httpx.Response:
-        body = content + (cut if b"cut" in request.content else usage) + "data: [DONE]\n\n"
+        body = STREAMS[json.loads(request.content)["messages"][0]["content"]][0]
         return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
 
-    async def send(word: str) -> RequestResult:
-        job = ChatJob([{"role": "user", "content": word}], max_tokens=8)
+    async def send(name: str) -> RequestResult:
+        job = ChatJob([{"role": "user", "content": name}], max_tokens=8)
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             return await run_chat(client, "http://127.0.0.1:8000", "m", job, 0.0)
 
-    cut_short, whole = asyncio.run(send("cut")), asyncio.run(send("whole"))
-    assert cut_short.text == whole.text == "Hel"
-    assert not cut_short.ok and "the model replica failed" in cut_short.error
-    assert whole.ok and whole.error is None and whole.output_tokens == 1
-    s = summarize([cut_short, whole], 1.0, SLOSettings())
-    assert s["requests"] == 2 and s["completed"] == 1 and s["error_rate"] == pytest.approx(0.5)
+    results = {name: asyncio.run(send(name)) for name in STREAMS}
+    for name, (_, kind) in STREAMS.items():
+        assert results[name].text == "Hel" and results[name].error_kind == kind, name
+        assert results[name].ok == (kind is None), name
+    assert "the model replica failed" in results["cut by an error event"].error
+    s = summarize(list(results.values()), 1.0, SLOSettings())
+    assert s["requests"] == 6 and s["completed"] == 1 and s["error_rate"] == pytest.approx(5 / 6)
+    assert s["error_kinds"] == {k: 1 for _, k in STREAMS.values() if k is not None}
 
 
 @pytest.mark.slow
@@ -126,12 +144,18 @@ def test_headless_run_against_a_live_server(base_url, tmp_path):
 def test_locust_file_reports_the_latency_metrics(base_url, tmp_path):
     env = os.environ | {"LOADTEST_PROMPTS": "synthetic", "LOADTEST_MAX_TOKENS": "8", "LOADTEST_SLO_MIX": "batch:1"}
     cmd = [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--host", base_url, "--headless"]
+    # Locust exits 1 when any entry failed, and a missed SLO is one (`slo/batch`): on a busy machine the
+    # batch class's TPOT target can be missed. The requests themselves must not fail.
     cmd += ["-u", "2", "-r", "2", "-t", "8s", "--csv", str(tmp_path / "run"), "--only-summary"]
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, timeout=120, capture_output=True)
+    cmd += ["--exit-code-on-error", "0"]
+    run = subprocess.run(cmd, env=env, cwd=ROOT, timeout=120, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(tmp_path / "run_stats.csv") as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
     chat = rows[("POST", "/v1/chat/completions")]
-    assert int(chat["Request Count"]) >= 2 and int(chat["Failure Count"]) == 0
+    with open(tmp_path / "run_failures.csv") as f:
+        failures = list(csv.DictReader(f))  # which requests failed, and why
+    assert int(chat["Request Count"]) >= 2 and int(chat["Failure Count"]) == 0, failures
     for name in ("ttft", "itl", "tpot", "e2e", "output_tokens", "slo/batch"):
         assert int(rows[("METRIC", name)]["Request Count"]) >= 1, name
     assert float(rows[("METRIC", "ttft")]["Median Response Time"]) > 0
@@ -177,3 +201,28 @@ def test_multiturn_run_reports_ttft_by_turn_and_the_prefix_cache_hit_rate(base_u
     key = conversation_keys([*last.messages, {"role": "assistant", "content": last.result.text}])[-1].key
     (replica,) = httpx.get(f"{base_url}/debug/engine", timeout=30).json()["replicas"]
     assert key in replica["prefix_keys"] and replica["prefix_cache_hits"] > 0
+
+
+@pytest.mark.slow
+def test_a_chaos_run_kills_the_replica_and_clients_lose_nothing(base_url):
+    """`loadtest.chaos` against the live server: its only LLM replica is killed 5 s in; every request
+    completes (resumed on the replacement), and every greedy and seeded answer equals the undisturbed
+    run's. The last test of this module: it leaves the replica replaced."""
+    cfg = ChaosConfig(
+        url=base_url,
+        app="llm",
+        duration_s=14.0,
+        concurrency=4,
+        kill_at=[5.0],
+        prompts="synthetic",
+        num_prompts=8,
+        max_tokens=24,
+        seeded_share=0.5,
+    )
+    s = asyncio.run(run_chaos(cfg))
+    print({k: s[k] for k in ("sent", "completed", "failed", "resumed", "identical", "compared", "extra_latency_s")})
+    assert len(s["kills"]) == 1 and s["kills"][0]["actor"].startswith("SERVE_REPLICA::llm#LLMReplica#")
+    assert s["recovered"] and s["failed"] == 0 and s["sent"] == s["completed"] >= 4, s["error_examples"]
+    assert s["resumed"] >= 1 and s["in_flight_at_kills"] >= 1
+    assert s["compared"] == s["completed"] and s["identical"] == s["compared"], s["differing_jobs"]
+    assert {j.seed is None for j in jobs(cfg)[: s["sent"]]} == {True, False}  # greedy and seeded among them
