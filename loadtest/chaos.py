@@ -3,12 +3,13 @@ a bounded load with LLM replicas killed at chosen times, and what the clients sa
 
 It runs `--concurrency` closed-loop streams of held-out prompts for `--duration-s` against a running
 server (greedy, and a `--seeded-share` of them sampled with a seed), kills an LLM replica's process at
-each `--kill-at` second (`--kill rank`: the tensor-parallel rank 1 of a replica instead; it joins the
-server's Ray cluster to do so), waits for the server to be healthy again, then sends every completed
-request once more without disturbance. It reports the requests sent, completed, failed (by kind) and
-resumed (the server's `lyanna_resumptions_total`), how many answers equal the undisturbed ones, and
-the extra latency of the requests that were in flight at a kill (p50/p99 over their undisturbed
-latency). Its last line is the JSON summary; it exits 1 if a request failed or an answer differed.
+each `--kill-at` second, or as soon after as the server is healthy again (`--kill rank`: the
+tensor-parallel rank 1 of a replica instead; it joins the server's Ray cluster to do so), waits for the
+server to be healthy again, then sends every completed request once more without disturbance. It reports
+the requests sent, completed, failed (by kind) and resumed (the server's `lyanna_resumptions_total`),
+how many answers equal the undisturbed ones, and the extra latency of the requests that were in flight
+at a kill (p50/p99 over their undisturbed latency). Its last line is the JSON summary; it exits 1 if a
+request failed or an answer differed.
 """
 
 from __future__ import annotations
@@ -136,7 +137,17 @@ async def run_chaos(cfg: ChaosConfig, kill=kill_one) -> dict[str, Any]:
         async def killer() -> None:
             for at in sorted(cfg.kill_at):
                 await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-                kills.append((time.perf_counter() - start, await asyncio.to_thread(kill, cfg.app, cfg.kill)))
+                await healthy(client, cfg.url, cfg.recover_timeout_s)  # not a replica still starting
+                until = time.perf_counter() + cfg.recover_timeout_s
+                while True:  # the replica killed last may not be replaced yet: wait for a live one
+                    try:
+                        name = await asyncio.to_thread(kill, cfg.app, cfg.kill)
+                        break
+                    except RuntimeError:
+                        if time.perf_counter() > until:
+                            raise
+                        await asyncio.sleep(1.0)
+                kills.append((time.perf_counter() - start, name))
 
         killing = asyncio.create_task(killer())
         chaos = await closed_loop(client, cfg, all_jobs, until=start + cfg.duration_s)

@@ -111,7 +111,7 @@ class IngressSettings(BaseModel):
         description="Times a request whose replica fails is resumed on another (0: it fails with replica_failed)",
     )
     resume_wait_s: float = Field(
-        default=60.0, gt=0, description="How long a resumed request may wait for a live replica to take and answer it"
+        default=120.0, gt=0, description="How long a resumed request may wait for a live replica to take and answer it"
     )
 
 
