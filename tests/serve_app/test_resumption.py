@@ -14,27 +14,13 @@ from engines.request import FinishReason, GenerationRequest
 from engines.sampling import SamplingParams
 from serve_app.messages import ChatRequest, StreamDelta
 from serve_app.resumption import ResumableStream, resumption_reason
+from tests.serve_app.test_openai_api import delta as stream_delta
 
 
 def delta(index: int, tokens: tuple[int, ...], text: str, total: int, done: bool = False) -> StreamDelta:
-    return StreamDelta(
-        new_text=text,
-        new_token_ids=tokens,
-        finish_reason=FinishReason.LENGTH if done else None,
-        num_prompt_tokens=5,
-        num_output_tokens=total,
-        num_forwards=0,
-        num_spec_steps=0,
-        num_draft_tokens=0,
-        num_accepted_tokens=0,
-        tokens_per_step=1.0,
-        num_preemptions=0,
-        arrival_time=0.0,
-        first_scheduled_time=None,
-        first_token_time=None,
-        finish_time=None,
-        index=index,
-    )
+    """Choice `index`'s delta: `tokens` (spelling `text`), `total` output tokens so far."""
+    finish = FinishReason.LENGTH if done else None
+    return stream_delta(text, index, finish, tokens=total, new_token_ids=tokens)
 
 
 class Call:
