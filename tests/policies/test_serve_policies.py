@@ -83,7 +83,9 @@ def test_router_keeps_prefix_affinity_within_the_imbalance_and_sends_tight_class
     # the adaptive policy's decisions and model checks, per replica, on /metrics
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     observed = [line for line in metrics.splitlines() if line.startswith("lyanna_spec_policy_observed_step_s{")]
-    assert observed and 'replica="' in observed[0] and float(observed[0].split()[-1]) > 0
+    assert observed and all('replica="' in line for line in observed)
+    # the home replica stepped the long streams; the other may have run too little to have observed a step
+    assert max(float(line.split()[-1]) for line in observed) > 0, observed
 
 
 def replicas(app: str) -> int:
