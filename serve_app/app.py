@@ -24,13 +24,16 @@ class AppArgs(BaseModel):
     ingress: IngressSettings = Field(default_factory=IngressSettings)
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Ingress -> LLM replicas, with the engine settings given as application arguments."""
+def build_app(args: dict[str, Any] | None = None, deployments: dict[str, dict[str, Any]] | None = None) -> Application:
+    """Ingress -> LLM replicas, with the engine settings given as application arguments. `deployments`:
+    Serve deployment options by deployment name (`Ingress`, `LLMReplica`), for code that builds the app
+    itself (a config file sets them under `deployments:`)."""
     parsed = AppArgs.model_validate(args or {})
     tracing, slo = parsed.tracing.model_dump(), parsed.slo.model_dump()
-    replica = LLMReplica
+    options = deployments or {}
+    replica = LLMReplica.options(**options.get("LLMReplica", {}))
     if parsed.engine.tensor_parallel_size > 1:  # one bundle per rank; the replica's own actor takes the first
-        replica = LLMReplica.options(
+        replica = replica.options(
             placement_group_bundles=parsed.engine.placement_bundles(),
             placement_group_strategy="STRICT_PACK",
             ray_actor_options={
@@ -42,4 +45,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ingress = parsed.ingress.model_dump()
     engine = parsed.engine
     spec, policy = engine.spec, engine.spec_policy  # the ingress completes speculation overrides
-    return Ingress.bind(replica, engine.served_model_name, engine.drafter, tracing, slo, ingress, spec, policy)
+    return Ingress.options(**options.get("Ingress", {})).bind(
+        replica, engine.served_model_name, engine.drafter, tracing, slo, ingress, spec, policy
+    )

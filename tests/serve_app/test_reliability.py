@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -403,3 +404,43 @@ def test_only_a_dead_or_unreachable_replica_is_worth_a_retry():
     assert _replica_failure(ActorDiedError(), "mid-stream")[:2] == (503, "replica_failed")
     assert _replica_failure(ActorUnavailableError("gone", None), "mid-stream")[:2] == (503, "replica_failed")
     assert _replica_failure(RuntimeError("engine bug"), "mid-stream")[:2] == (500, "internal_error")
+
+
+def test_a_redeploy_drains_the_replica_and_hands_its_stream_over(base_url):
+    """A new version of the application while a long stream runs: Serve drains the old LLM replica (1 s
+    graceful shutdown here), its engine stops under the stream, and the ingress resumes the stream on the
+    new replica; the answer equals an undisturbed run's."""
+    from ray import serve
+
+    url = f"{base_url[0]}/drain"
+    engine = {"dtype": "float32", "num_kv_blocks": 128, "max_model_len": 1024, "drafter": "none"}
+    # the LLM replica drains for 1 s; the ingress waits for its streams (as serve_config.yaml's does)
+    drain = {"LLMReplica": {"graceful_shutdown_timeout_s": 1}, "Ingress": {"graceful_shutdown_timeout_s": 180}}
+    serve.run(build_app({"engine": engine}, drain), name="drain", route_prefix="/drain")
+    body = with_(max_tokens=400, messages=[{"role": "user", "content": "Write a long story about a lighthouse."}])
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    undisturbed, _ = stream_and_post(url, body, OK, kill=None)
+    want, usage = stream_text(undisturbed)
+    assert usage["completion_tokens"] == 400
+    events: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as res:
+            for line in res.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) >= 3:
+                    started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    redeployed = engine | {"max_num_seqs": 31}  # a new version of LLMReplica
+    serve.run(build_app({"engine": redeployed}, drain), name="drain", route_prefix="/drain")
+    t.join(300)
+    assert events[-1] == "data: [DONE]"
+    assert stream_text(events) == (want, usage)
+    # It was handed over (the old ingress, whose counter saw it, is gone: its log says so).
+    logs = Path("/tmp/ray/session_latest/logs/serve").glob("replica_drain_Ingress_*.log")
+    assert any("resuming after" in path.read_text(errors="replace") for path in logs)
