@@ -9,6 +9,10 @@ rank still reads the previous call's. Tensors larger than a slot go through the 
 
 Publishing relies on the CPU keeping stores in program order (x86-64's TSO): the data copy is visible
 before the sequence number. Other CPUs use the fallback group for every call (`supported()`).
+
+The fused CPU decoder (kernels/csrc/decoder.c) sums through the same segment from C, inside its forward:
+`SharedSegment` gives it the addresses, and this rank's call counter and wait time live in memory both
+sides update, so calls from Python and from C interleave in one sequence.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -45,6 +51,23 @@ def create_segment(path: str, world: int) -> None:
     zero_file(path, segment_bytes(world))
 
 
+@dataclass(frozen=True)
+class SharedSegment:
+    """Where one rank's all-reduce lives, for a C implementation of the same protocol: addresses of the
+    sequence numbers and pids ([world] int64 each), the slots ([2 * world][slot_bytes]), this rank's call
+    counter (int64) and wait time (float64, seconds)."""
+
+    seqs: int
+    pids: int
+    data: int
+    seq: int
+    wait_seconds: int
+    rank: int
+    world: int
+    slot_bytes: int
+    timeout_s: float
+
+
 class SharedMemoryAllReduce:
     """Sums CPU tensors across the ranks of one node; `fallback` takes what does not fit a slot."""
 
@@ -52,15 +75,41 @@ class SharedMemoryAllReduce:
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        raw = torch.from_file(path, shared=True, size=segment_bytes(world), dtype=torch.uint8)
+        self._raw = raw = torch.from_file(path, shared=True, size=segment_bytes(world), dtype=torch.uint8)
         header = 8 * _HEADER_WORDS * world
         words = raw[:header].view(torch.int64).numpy()  # numpy reads memory on every access: spin on it
         self.seqs, self.pids = words[:world], words[world:]
         self.data = raw[header:].view(2 * world, SLOT_BYTES)
         self.pids[rank] = os.getpid()
-        self.seq = 0
-        self.wait_seconds = 0.0  # spent waiting for other ranks (load imbalance and their lateness)
+        # this rank's call counter and wait time, in memory the fused decoder's C all-reduce updates too
+        self._seq = numpy.zeros(1, dtype=numpy.int64)
+        self._waited = numpy.zeros(1, dtype=numpy.float64)
         self._views: dict[tuple[int, torch.dtype, torch.Size], list[torch.Tensor]] = {}
+
+    @property
+    def seq(self) -> int:
+        """Calls made so far (from Python or C)."""
+        return int(self._seq[0])
+
+    @property
+    def wait_seconds(self) -> float:
+        """Time spent waiting for other ranks (load imbalance and their lateness)."""
+        return float(self._waited[0])
+
+    def segment(self) -> SharedSegment:
+        """The addresses a C implementation of this all-reduce works on (valid while this object lives)."""
+        base = self._raw.data_ptr()
+        return SharedSegment(
+            seqs=base,
+            pids=base + 8 * self.world,
+            data=self.data.data_ptr(),
+            seq=self._seq.ctypes.data,
+            wait_seconds=self._waited.ctypes.data,
+            rank=self.rank,
+            world=self.world,
+            slot_bytes=SLOT_BYTES,
+            timeout_s=self.timeout_s,
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` across ranks in place."""
@@ -69,11 +118,12 @@ class SharedMemoryAllReduce:
             assert self.fallback is not None, "no fallback group"
             self.fallback.allreduce([x]).wait()
             return x
-        self.seq += 1
-        slots = self._slots(self.seq % 2, x.dtype, x.shape, nbytes)
+        self._seq[0] += 1
+        seq = self.seq
+        slots = self._slots(seq % 2, x.dtype, x.shape, nbytes)
         slots[self.rank].copy_(x)
-        self.seqs[self.rank] = self.seq  # after the copy: x86 keeps the two stores in this order
-        self._wait(self.seq)
+        self.seqs[self.rank] = seq  # after the copy: x86 keeps the two stores in this order
+        self._wait(seq)
         torch.add(slots[0], slots[1], out=x)
         for s in slots[2:]:
             x.add_(s)
@@ -99,7 +149,7 @@ class SharedMemoryAllReduce:
         try:
             self._spin(seq)
         finally:
-            self.wait_seconds += time.perf_counter() - began
+            self._waited[0] += time.perf_counter() - began
 
     def _spin(self, seq: int) -> None:
         spins, start = 0, None

@@ -156,6 +156,7 @@ class TensorParallelWorker:
         self.runner: ModelRunner | None = None
         self.running = False
         self.steps = 0
+        self.fused_decoder = False  # whether decode steps run the fused CPU decoder (known after setup)
 
     def run(self) -> int:
         """Serve rank 0's commands until it says stop; returns the number of steps run."""
@@ -186,12 +187,20 @@ class TensorParallelWorker:
         cfg = self.model.cfg
         kv = make_cache(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, spec, self.device)
         self.runner = ModelRunner(self.model, kv, self.device, max_num_seqs)
+        self.fused_decoder = self.model.fused_decoder(kv, 1) is not None
 
     def ping(self) -> dict[str, Any]:
-        """Liveness for the replica's health check: rank, whether the command loop runs, steps run."""
+        """Liveness for the replica's health check: rank, whether the command loop runs, steps run, time
+        waited in all-reduces, and whether decode steps run the fused CPU decoder (kernels/fused_decoder.py)."""
         reducer = self.tp.reducer
         wait = getattr(reducer, "wait_seconds", None)
-        return {"rank": self.rank, "running": self.running, "steps": self.steps, "all_reduce_wait_s": wait}
+        return {
+            "rank": self.rank,
+            "running": self.running,
+            "steps": self.steps,
+            "all_reduce_wait_s": wait,
+            "fused_decoder": self.fused_decoder,
+        }
 
 
 class WorkerGroup:

@@ -9,9 +9,11 @@ fp32 activations. It computes the same function as
 `LlamaModel`'s layers over the quantized weights (up to fp32 rounding), and each row the same way
 whatever else is in its batch (`decoder.c`).
 
-It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU on one rank,
-with an fp32 or bf16 cache, head_dim a multiple of 8 up to 128 and at most 16 query heads per KV head;
-the model runs larger steps (`max_rows`) and every other configuration through its eager layers.
+It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU, on one rank or
+on tensor-parallel ranks that sum through shared memory (engines/shm_all_reduce.py: the C forward does its
+two all-reduces a layer there itself), with an fp32 or bf16 cache, head_dim a multiple of 8 up to 128 and
+at most 16 query heads per KV head; the model runs larger steps (`max_rows`) and every other configuration
+through its eager layers.
 
 On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections go 16 rows
 per tile product (the same numbers as csrc/vnni.c's), and in a bf16 cache a sequence's prompt tokens
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
     from engines.config import ModelConfig
     from engines.kv_cache import PagedKVCache
     from engines.model import LlamaModel
-    from engines.parallel import PackableLinear
+    from engines.parallel import PackableLinear, TensorParallel
+    from engines.shm_all_reduce import SharedSegment
 
 # Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
 MAX_ROWS = 64
@@ -70,6 +73,14 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Reducer(ctypes.Structure):
+    _fields_ = [
+        *((name, _p) for name in ("seqs", "pids", "data", "seq", "wait_seconds")),
+        *((name, _i64) for name in ("rank", "world", "slot_bytes")),
+        ("timeout_s", ctypes.c_double),
+    ]
+
+
 class _Decoder(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads")),
@@ -81,6 +92,7 @@ class _Decoder(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)),
         ("max_positions", _i64),
         ("num_slots", _i64),
+        ("reduce", ctypes.POINTER(_Reducer)),  # NULL on one rank
     ]
 
 
@@ -101,6 +113,19 @@ def _integer_dot_weight(linear: PackableLinear) -> bool:
     return q is not None and q.layout in INTEGER_LAYOUTS  # (an fp32 `wide` copy serves only >= 48 rows)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What of each layer a rank holds: query and KV heads, MLP channels, and (tensor-parallel) the shared
+    memory its partial sums are added up through."""
+
+    num_heads: int
+    num_kv_heads: int
+    intermediate: int
+    segment: SharedSegment | None = None
+
+
+_RANK_DIED, _RANK_TIMEOUT = 9, 10  # decoder_forward's codes for a failed all-reduce (decoder.c)
+
 PHASES = ("norm", "qkv", "rope", "pack", "attend", "o", "mlp_in", "gate_up", "swiglu", "down")
 
 
@@ -118,6 +143,13 @@ def max_rows() -> int:
     return MANY_ROWS if integer_dot.amx_active() else MAX_ROWS
 
 
+def shared_segment(tp: TensorParallel):
+    """The shared-memory all-reduce a tensor-parallel rank's C forward sums through (engines/shm_all_reduce.py's
+    `SharedSegment`), or None where the ranks sum otherwise (gloo, NCCL)."""
+    segment = getattr(tp.reducer, "segment", None)
+    return segment() if segment is not None else None
+
+
 def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
     """Whether `FusedDecoder` can run this model over this cache."""
     cfg = model.cfg
@@ -127,7 +159,7 @@ def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
         kernel_mode() == "auto"
         and kv_cache.k.device.type == "cpu"
         and kv_cache.k.dtype in CACHE_DTYPES
-        and model.tp.world_size == 1
+        and (model.tp.world_size == 1 or shared_segment(model.tp) is not None)
         and cfg.head_dim % 8 == 0
         and cfg.head_dim <= 128
         and cfg.num_heads // cfg.num_kv_heads <= 16
@@ -201,10 +233,12 @@ class _Layers:
     of them was swapped since (a projection's quantized weight replaced, a norm's or rotary table's `.data`
     or the cache reassigned), and until then the old tensors are held, so no pointer ever dangles."""
 
-    def __init__(self, cfg: ModelConfig, rotary, layers: list[LayerWeights], cache, block_size: int):
+    def __init__(self, cfg: ModelConfig, rotary, layers: list[LayerWeights], cache, block_size: int,
+                 shard: Shard | None = None):  # fmt: skip
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.cfg, self.rotary, self.layers, self.cache, self.block_size = cfg, rotary, layers, cache, block_size
+        self.shard = shard or Shard(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         self._build()
 
     def _sources(self) -> list[int]:
@@ -220,7 +254,8 @@ class _Layers:
 
     def _build(self) -> None:
         cfg, layers, bs = self.cfg, self.layers, self.block_size
-        H, D, Hq, Hk, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        H, D = cfg.hidden_size, cfg.head_dim
+        Hq, Hk, inter = self.shard.num_heads, self.shard.num_kv_heads, self.shard.intermediate
         if D % 8 or D > 128 or Hq % Hk or Hq // Hk > 16:  # decoder.c's vectors and per-head arrays
             raise ValueError(f"the fused decoder takes head_dim a multiple of 8 up to 128 and at most 16 query "
                              f"heads per KV head, not {D} and {Hq} / {Hk}")  # fmt: skip
@@ -265,6 +300,8 @@ class _Layers:
             )
         self._held = held
         self._layer_structs = (_Layer * len(structs))(*structs)
+        segment = self.shard.segment
+        self._reducer = None if segment is None else _Reducer(**segment.__dict__)
         self.decoder = _Decoder(
             num_layers=len(layers),
             hidden=H,
@@ -281,6 +318,7 @@ class _Layers:
             layers=self._layer_structs,
             max_positions=cos.shape[0],
             num_slots=k.shape[1],
+            reduce=None if self._reducer is None else ctypes.pointer(self._reducer),
         )
         self._sources_at_build = sources
 
@@ -321,6 +359,13 @@ class _Layers:
         code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
         if code == -1:
             raise MemoryError("the fused decoder could not allocate its buffers")
+        if code in (_RANK_DIED, _RANK_TIMEOUT):
+            segment = self.shard.segment
+            assert segment is not None
+            if code == _RANK_DIED:
+                pid = ctypes.c_int64.from_address(segment.pids + 8 * batch.bad).value
+                raise RuntimeError(f"tensor-parallel rank {batch.bad} (pid {pid}) died")
+            raise RuntimeError(f"tensor-parallel all-reduce waited {segment.timeout_s:.0f} s for rank {batch.bad}")
         if code:
             raise self._bad_batch(code, batch.bad, positions, slots, query_start, seq_lens, tables, parents)
         return x
@@ -357,13 +402,17 @@ class _Layers:
 
 
 class FusedDecoder:
-    """Every decoder layer of `model` over `kv_cache`, for up to `max_rows()` new tokens in one call."""
+    """Every decoder layer of `model` over `kv_cache`, for up to `max_rows()` new tokens in one call (on a
+    tensor-parallel rank: this rank's shard, summed with the other ranks' inside the call)."""
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
         if not applies(model, kv_cache):
             raise ValueError("the fused decoder does not apply to this model and cache (see `applies`)")
         layers = [layer_weights(layer) for layer in model.layers]
-        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size)
+        attn, mlp = model.layers[0].attn, model.layers[0].mlp
+        intermediate = sum(mlp.gate_up_proj.local_sizes) // 2
+        shard = Shard(attn.num_heads, attn.num_kv_heads, intermediate, shared_segment(model.tp))
+        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size, shard)
 
     def __call__(
         self,

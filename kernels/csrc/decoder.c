@@ -20,9 +20,18 @@
  * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the same kernel, the query
  * heads of one KV head in its lanes (heads_attend): a token's keys in sequence order laid out in its
  * thread's scratch, so a draft token accepted at depth d still produces exactly what decoding it would.
+ *
+ * On a tensor-parallel rank (Decoder.reduce set) the layers hold this rank's heads and MLP channels, and the
+ * o_proj and down outputs are summed across the node's ranks in shared memory (all_reduce: the protocol of
+ * engines/shm_all_reduce.py, in rank order, so every rank gets the same bits) before the residual: still
+ * one call a forward, and each row still computed the same way whatever else is in the batch.
  */
+#include <errno.h>
 #include <omp.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "integer_dot.h"
 
@@ -42,6 +51,17 @@ typedef struct {
     const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim] fp32, or NULL for none */
 } Layer;
 
+/* The shared-memory all-reduce of one rank (engines/shm_all_reduce.py's segment and counters). */
+typedef struct {
+    int64_t *seqs;        /* [world] the call each rank last published (shared) */
+    const int64_t *pids;  /* [world] each rank's process (shared) */
+    uint8_t *data;        /* [2 * world][slot_bytes]: two sets of slots, alternating between calls (shared) */
+    int64_t *seq;         /* this rank's call counter (its Python side's too) */
+    double *wait_seconds; /* time spent waiting for the other ranks, added to */
+    int64_t rank, world, slot_bytes;
+    double timeout_s;     /* a rank silent for this long fails the call */
+} Reducer;
+
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
     int64_t cache_bf16; /* 1: the cache holds bf16, 0: fp32 */
@@ -49,6 +69,7 @@ typedef struct {
     const float *cos, *sin; /* [max_positions, head_dim] rotary tables (rotate-half layout) */
     const Layer *layers;
     int64_t max_positions, num_slots; /* rows of cos and sin; slots of each layer's cache */
+    const Reducer *reduce; /* a tensor-parallel rank's sums (intermediate and heads are this rank's); NULL: one rank */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -290,8 +311,71 @@ static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act
     }
 }
 
-/* What check_batch finds wrong (decoder_forward's return value). */
-enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT, BAD_RUN };
+/* What check_batch finds wrong, or what stopped the all-reduce (decoder_forward's return value). */
+enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT, BAD_RUN,
+       RANK_DIED, RANK_TIMEOUT };
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static inline float *reduce_slot(const Reducer *r, int64_t half, int64_t rank) {
+    return (float *)(r->data + (half * r->world + rank) * r->slot_bytes);
+}
+
+/* Spin until every rank has published call `seq`: 0, or RANK_DIED / RANK_TIMEOUT with the late rank in *late. */
+static int wait_ranks(const Reducer *r, int64_t seq, int64_t *late) {
+    double began = 0.0;
+    for (int64_t spins = 0;; spins++) {
+        int64_t behind = -1;
+        for (int64_t k = 0; k < r->world && behind < 0; k++)
+            if (__atomic_load_n(&r->seqs[k], __ATOMIC_ACQUIRE) < seq) behind = k;
+        if (behind < 0) break;
+        if (spins == 0) began = seconds_now();
+        if (spins % 64 != 63) {
+            _mm_pause();
+            continue;
+        }
+        sched_yield(); /* let this process's other threads (the server's event loop) run */
+        if (spins % 8192 != 8191) continue;
+        if (kill((pid_t)r->pids[behind], 0) != 0 && errno == ESRCH) return *late = behind, RANK_DIED;
+        if (seconds_now() - began > r->timeout_s) return *late = behind, RANK_TIMEOUT;
+    }
+    if (began > 0.0) *r->wait_seconds += seconds_now() - began;
+    return 0;
+}
+
+/* x [n] summed across the ranks in place, a slot at a time: this rank's partial sums go to its slot, the call
+ * is published, and once every rank has published, the slots are added up in rank order. Called by the whole
+ * team; returns 0 or wait_ranks' error (the same on every thread), the late rank in *late. */
+static int all_reduce(const Reducer *r, float *x, int64_t n, int *status, int64_t *late) {
+    const int64_t per = r->slot_bytes / (int64_t)sizeof(float);
+    for (int64_t at = 0; at < n; at += per) {
+        const int64_t len = n - at < per ? n - at : per;
+#pragma omp single
+        *r->seq += 1;
+        const int64_t seq = *r->seq, half = seq % 2;
+        float *mine = reduce_slot(r, half, r->rank);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < len; i++) mine[i] = x[at + i];
+#pragma omp single
+        {
+            __atomic_store_n(&r->seqs[r->rank], seq, __ATOMIC_RELEASE); /* after the copy (the barrier above) */
+            *status = wait_ranks(r, seq, late);
+        }
+        if (*status) return *status;
+        const float *first = reduce_slot(r, half, 0), *second = reduce_slot(r, half, 1);
+#pragma omp for schedule(static) /* ends with a barrier: this rank reads the set before it publishes again */
+        for (int64_t i = 0; i < len; i++) {
+            float sum = first[i] + second[i];
+            for (int64_t k = 2; k < r->world; k++) sum += reduce_slot(r, half, k)[i];
+            x[at + i] = sum;
+        }
+    }
+    return 0;
+}
 
 /* Every index the forward reads is checked against what it addresses before anything is read or written,
  * so no batch can drive it outside its tables and cache: query_start starts at 0, never decreases and ends
@@ -471,6 +555,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
                        !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt;
+    int reduce_status = 0;
+    int64_t late_rank = 0;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
@@ -545,6 +631,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 MARK(PHASE_ATTEND)
                 quantize_rows(act, T, q_width, &a);
                 project(&layer->o, &a, T, h);
+                if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
                 MARK(PHASE_O)
                 rms_norm(x, layer->post_norm, T, H, m->eps, h);
@@ -556,6 +643,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 quantize_rows(act, T, I, &a);
                 MARK(PHASE_SWIGLU)
                 project(&layer->down, &a, T, h);
+                if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
                 MARK(PHASE_DOWN)
             }
@@ -576,5 +664,6 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(lay_v);
     free(lay_st);
     free(lay_pt);
-    return failed ? -1 : 0;
+    if (reduce_status) b->bad = late_rank;
+    return failed ? -1 : reduce_status;
 }

@@ -1,8 +1,10 @@
-"""Small helpers the engine tests share: a KV cache for a model, one-sequence forwards over it, a tiny
-random target checkpoint, and randomly initialised draft-model checkpoints."""
+"""Small helpers the engine tests share: a KV cache for a model, one-sequence forwards over it, one request's
+deltas and a check that it resumes exactly from any cut, a tiny random target checkpoint, and randomly
+initialised draft-model checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.kv_cache import PagedKVCache
 from engines.loader import resolve_checkpoint
 from engines.model import LlamaModel
+from engines.request import GenerationRequest
 
 
 def new_cache(model: LlamaModel, num_blocks: int = 64, block_size: int = 16, dtype=torch.float32) -> PagedKVCache:
@@ -39,6 +42,38 @@ def forward_one(
     meta = build_attention_metadata([layout], kv.block_size, "cpu")
     pos = torch.tensor(positions) if positions is not None else torch.arange(num_cached, num_cached + n)
     return model(torch.tensor(tokens), pos, meta, kv)
+
+
+def deltas(engine, request: GenerationRequest) -> list:
+    """Every delta of one request, run alone to its end in `engine` (an `LLMEngine`)."""
+    engine.add(engine.admit(request))
+    out = []
+    while engine.has_unfinished():
+        out += [d for d in engine.step() if d.request_id == request.request_id]
+    return out
+
+
+def assert_resumes_exactly(engine, base: GenerationRequest) -> None:
+    """`base` run whole, then resumed from cuts after its first delta, its middle one and its last but one
+    (mid-word cuts among them): every resumed run gives the rest of the whole run's tokens and text."""
+    params = base.params
+    whole = deltas(engine, base)
+    tokens = [t for d in whole for t in d.new_token_ids]
+    text = "".join(d.new_text for d in whole)
+    assert len(whole) > 3 and engine.stats().spec.num_steps > 0
+    for cut in sorted({1, len(whole) // 2, len(whole) - 1}):
+        done = [t for d in whole[:cut] for t in d.new_token_ids]
+        sent = "".join(d.new_text for d in whole[:cut])
+        resumed = dataclasses.replace(
+            base, request_id=f"resumed-{base.request_id}-{cut}", resume_token_ids=done, resume_text_sent=len(sent)
+        )
+        rest = deltas(engine, resumed)
+        assert done + [t for d in rest for t in d.new_token_ids] == tokens, f"cut after {len(done)} tokens"
+        assert sent + "".join(d.new_text for d in rest) == text
+        assert rest[-1].num_output_tokens == len(tokens) and rest[-1].finish_reason == whole[-1].finish_reason
+        if params.logprobs is not None:  # the new tokens' log-probabilities, one each
+            want = [lp for d in whole[cut:] for lp in d.logprobs]
+            assert [lp.token_id for d in rest for lp in d.logprobs] == [lp.token_id for lp in want]
 
 
 def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder) -> str:

@@ -8,8 +8,6 @@ depend on their batch or on whether a token was read as part of a prompt or deco
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from engines.engine import EngineConfig, LLMEngine
@@ -17,6 +15,7 @@ from engines.errors import InvalidRequestError
 from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
 from tests.conftest import CHAT_PROMPTS
+from tests.engines.helpers import assert_resumes_exactly
 
 MAX_NEW = 40
 CASES = {
@@ -31,37 +30,9 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(drafter="lyanna", spec_depth=3, spec_width=2, spec_budget=6))
 
 
-def deltas(engine: LLMEngine, request: GenerationRequest) -> list:
-    """Every delta of one request, run alone."""
-    engine.add(engine.admit(request))
-    out = []
-    while engine.has_unfinished():
-        out += [d for d in engine.step() if d.request_id == request.request_id]
-    return out
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_a_resumed_request_continues_exactly_where_it_stopped(engine, case):
-    params = CASES[case]
-    base = GenerationRequest(request_id=f"whole-{case}", messages=CHAT_PROMPTS[1], params=params)
-    whole = deltas(engine, base)
-    tokens = [t for d in whole for t in d.new_token_ids]
-    text = "".join(d.new_text for d in whole)
-    assert len(whole) > 3 and engine.stats().spec.num_steps > 0
-    # cut after deltas 1, the middle one and the last but one (mid-word cuts among them)
-    for cut in sorted({1, len(whole) // 2, len(whole) - 1}):
-        done = [t for d in whole[:cut] for t in d.new_token_ids]
-        sent = "".join(d.new_text for d in whole[:cut])
-        resumed = dataclasses.replace(
-            base, request_id=f"resumed-{case}-{cut}", resume_token_ids=done, resume_text_sent=len(sent)
-        )
-        rest = deltas(engine, resumed)
-        assert done + [t for d in rest for t in d.new_token_ids] == tokens, f"cut after {len(done)} tokens"
-        assert sent + "".join(d.new_text for d in rest) == text
-        assert rest[-1].num_output_tokens == len(tokens) and rest[-1].finish_reason == whole[-1].finish_reason
-        if params.logprobs is not None:  # the new tokens' log-probabilities, one each
-            want = [lp for d in whole[cut:] for lp in d.logprobs]
-            assert [lp.token_id for d in rest for lp in d.logprobs] == [lp.token_id for lp in want]
+    assert_resumes_exactly(engine, GenerationRequest(request_id=case, messages=CHAT_PROMPTS[1], params=CASES[case]))
 
 
 def test_a_resumption_past_max_tokens_is_refused(engine):

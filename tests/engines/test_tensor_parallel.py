@@ -1,6 +1,8 @@
-"""Tensor-parallel engines: rank 0 in this process, rank 1 a Ray actor (gloo, fp32, the embedded model).
+"""Tensor-parallel engines: rank 0 in this process, rank 1 a Ray actor (the embedded model).
 
-The embedded model has 3 KV heads, so two ranks hold 1 and 2 of them (an uneven split).
+The embedded model has 3 KV heads, so two ranks hold 1 and 2 of them (an uneven split). In fp32 the ranks
+run the eager layers; with the served settings (4-bit weights, bf16) both run the fused CPU decoder, which
+sums through shared memory from C.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import ray
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import TensorParallel
+from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from tests.conftest import CHAT_PROMPTS
+from tests.engines.helpers import assert_resumes_exactly, deltas
 
 MAX_NEW = 24
 
@@ -30,10 +34,10 @@ def worker_names() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("lyanna-tp::")]
 
 
-def engine(tp: int, drafter: str, quantization: str = "auto") -> LLMEngine:
+def engine(tp: int, drafter: str, quantization: str = "auto", dtype: str = "float32") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            dtype="float32",
+            dtype=dtype,
             num_kv_blocks=128,
             drafter=drafter,
             tensor_parallel_size=tp,
@@ -41,6 +45,30 @@ def engine(tp: int, drafter: str, quantization: str = "auto") -> LLMEngine:
             quantization=quantization,
         )
     )
+
+
+def served_engine(tp: int) -> LLMEngine:
+    """The served settings (4-bit weights, bf16, the fused CPU decoder) with Lyanna drafting 3:2:6 trees, and
+    room for a long prompt in one step."""
+    config = EngineConfig(
+        num_kv_blocks=384,
+        drafter="lyanna",
+        spec_depth=3,
+        spec_width=2,
+        spec_budget=6,
+        tensor_parallel_size=tp,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+    )
+    return LLMEngine(config)
+
+
+@pytest.fixture(scope="module")
+def served_pair(local_ray):
+    """(one rank, two ranks) with the served settings."""
+    one, two = served_engine(1), served_engine(2)
+    yield one, two
+    two.shutdown()
 
 
 def run_mixed_batch(e: LLMEngine) -> dict[str, list[int]]:
@@ -110,13 +138,59 @@ def test_two_ranks_give_the_single_rank_greedy_outputs(local_ray, drafter):
 
 
 @pytest.mark.slow
-def test_a_dead_rank_fails_the_step_and_the_health_check(local_ray):
-    e = engine(2, "none")
+def test_fused_ranks_compute_each_row_whatever_its_batch(served_pair):
+    """Both ranks run the fused decoder; a request's greedy tokens are the same alone as in a batch that
+    changes under it (drafts verified on both ranks), as on one rank."""
+    _, two = served_pair
+    mixed = run_mixed_batch(two)
+    assert two.model.fused_decoder(two.kv_cache, 1) is not None
+    assert [s["fused_decoder"] for s in two.workers.states()] == [True]  # (known once rank 1 has set up)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    alone = {f"r{i}": two.generate([CHAT_PROMPTS[i]], params)[0].token_ids for i in range(4)}
+    assert mixed == alone
+    assert two.stats().spec.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [None, 5])
+def test_fused_ranks_resume_a_request_exactly(served_pair, seed):
+    """What a replica whose rank died hands over: the prompt plus the tokens sent, read as a prompt, continues
+    as the uninterrupted run did (greedy, and seeded sampling)."""
+    _, two = served_pair
+    params = SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, max_tokens=32, ignore_eos=True)
+    assert_resumes_exactly(two, GenerationRequest(request_id=f"tp-{seed}", messages=CHAT_PROMPTS[2], params=params))
+
+
+@pytest.mark.slow
+def test_fused_ranks_compute_the_single_rank_model(served_pair):
+    """Two ranks' sums differ from one rank's only in rounding: for a short prompt and one of about 4,700
+    tokens (whose partial sums exceed a shared-memory slot, so each all-reduce goes in pieces), the same first
+    token, and top log-probabilities that differ about as much as the single rank's eager and fused layers do
+    (0.05-0.18 on average here; a wrong shard or sum is off by whole units)."""
+    one, two = served_pair
+    long_prompt = [{"role": "user", "content": " ".join(f"item {i}," for i in range(800)) + " What comes next?"}]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for i, messages in enumerate((CHAT_PROMPTS[0], CHAT_PROMPTS[2], long_prompt)):
+        request = GenerationRequest(request_id=f"first-{i}", messages=messages, params=params)
+        (a,), (b,) = (deltas(e, request) for e in (one, two))
+        assert a.num_prompt_tokens == b.num_prompt_tokens > (4000 if messages is long_prompt else 0)
+        assert a.new_token_ids == b.new_token_ids
+        want, got = dict(a.logprobs[0].top), dict(b.logprobs[0].top)
+        common = [t for t in want if t in got]
+        assert len(common) >= 3
+        assert sum(abs(got[t] - want[t]) for t in common) / len(common) < 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # the eager layers, the fused decoder
+def test_a_dead_rank_fails_the_step_and_the_health_check(local_ray, dtype):
+    others = set(worker_names())  # (the served pair's rank 1 lives on)
+    e = engine(2, "none", dtype=dtype)
     try:
         e.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         e.step()
         e.check_health()
-        (name,) = worker_names()
+        (name,) = set(worker_names()) - others
         ray.kill(ray.get_actor(name, namespace="lyanna"))
         start = time.monotonic()
         with pytest.raises(RuntimeError):
