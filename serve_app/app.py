@@ -24,10 +24,17 @@ class AppArgs(BaseModel):
     ingress: IngressSettings = Field(default_factory=IngressSettings)
 
 
-def build_app(args: dict[str, Any] | None = None, deployments: dict[str, dict[str, Any]] | None = None) -> Application:
-    """Ingress -> LLM replicas, with the engine settings given as application arguments. `deployments`:
-    Serve deployment options by deployment name (`Ingress`, `LLMReplica`), for code that builds the app
-    itself (a config file sets them under `deployments:`)."""
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Ingress -> LLM replicas, with the engine settings given as application arguments (the builder a Serve
+    config's `import_path` names: Serve calls it with the `args:` block alone)."""
+    return build_app_with_options(args)
+
+
+def build_app_with_options(
+    args: dict[str, Any] | None = None, deployments: dict[str, dict[str, Any]] | None = None
+) -> Application:
+    """`build_app`, with Serve deployment options by deployment name (`Ingress`, `LLMReplica`), for code that
+    builds the app itself (a config file sets them under `deployments:`)."""
     parsed = AppArgs.model_validate(args or {})
     tracing, slo = parsed.tracing.model_dump(), parsed.slo.model_dump()
     options = deployments or {}

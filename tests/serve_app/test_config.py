@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from ray._common.utils import import_attr
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import AppArgs
@@ -19,6 +22,9 @@ def test_serve_config_parses_with_ray_and_with_our_args():
     schema = ServeDeploySchema.model_validate(raw)
     app = schema.applications[0]
     assert app.import_path == "serve_app.app:build_app"
+    # what `serve run` / `serve deploy` do with it: import the builder, call it with the args block
+    builder = import_attr(app.import_path)
+    assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
     args = AppArgs.model_validate(app.args)
     config = args.engine.engine_config()
     assert args.engine.drafter == "lyanna" and config.spec_policy == "adaptive" and config.spec.depth == 4

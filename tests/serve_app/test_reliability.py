@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.app import build_app
+from serve_app.app import build_app, build_app_with_options
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -416,7 +416,7 @@ def test_a_redeploy_drains_the_replica_and_hands_its_stream_over(base_url):
     engine = {"dtype": "float32", "num_kv_blocks": 128, "max_model_len": 1024, "drafter": "none"}
     # the LLM replica drains for 1 s; the ingress waits for its streams (as serve_config.yaml's does)
     drain = {"LLMReplica": {"graceful_shutdown_timeout_s": 1}, "Ingress": {"graceful_shutdown_timeout_s": 180}}
-    serve.run(build_app({"engine": engine}, drain), name="drain", route_prefix="/drain")
+    serve.run(build_app_with_options({"engine": engine}, drain), name="drain", route_prefix="/drain")
     body = with_(max_tokens=400, messages=[{"role": "user", "content": "Write a long story about a lighthouse."}])
     body |= {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     undisturbed, _ = stream_and_post(url, body, OK, kill=None)
@@ -437,7 +437,7 @@ def test_a_redeploy_drains_the_replica_and_hands_its_stream_over(base_url):
     t.start()
     assert started.wait(60)
     redeployed = engine | {"max_num_seqs": 31}  # a new version of LLMReplica
-    serve.run(build_app({"engine": redeployed}, drain), name="drain", route_prefix="/drain")
+    serve.run(build_app_with_options({"engine": redeployed}, drain), name="drain", route_prefix="/drain")
     t.join(300)
     assert events[-1] == "data: [DONE]"
     assert stream_text(events) == (want, usage)
