@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from loadtest.client import RequestResult, run_chat
-from loadtest.report import percentiles
+from loadtest.report import failures, percentiles
 from loadtest.runner import check_target
 from loadtest.workload import ChatJob, load_prompts
 
@@ -166,9 +166,6 @@ async def run_chaos(cfg: ChaosConfig, kill=kill_one) -> dict[str, Any]:
         for i, _ in done
         if calm[i].ok and any(chaos[i].start < at < chaos[i].start + chaos[i].e2e for at, _ in kills)
     ]
-    kinds: dict[str, int] = {}
-    for r in failed:
-        kinds[r.error_kind or "unknown"] = kinds.get(r.error_kind or "unknown", 0) + 1
     return {
         "config": cfg.__dict__,
         "duration_s": duration,
@@ -177,8 +174,7 @@ async def run_chaos(cfg: ChaosConfig, kill=kill_one) -> dict[str, Any]:
         "sent": len(chaos),
         "completed": len(chaos) - len(failed),
         "failed": len(failed),
-        "error_kinds": kinds,
-        "error_examples": sorted({(r.error or "")[:200] for r in failed})[:5],
+        **failures(list(chaos.values())),
         "resumed": resumed,
         "compared": len(same) + len(differing),
         "identical": len(same),

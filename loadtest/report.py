@@ -65,6 +65,15 @@ def _latencies(results: list[RequestResult]) -> dict[str, Any]:
     }
 
 
+def failures(results: list[RequestResult]) -> dict[str, Any]:
+    """The failed requests by kind (most frequent first), and up to five distinct error messages."""
+    failed = [r for r in results if not r.ok]
+    return {
+        "error_kinds": dict(Counter(r.error_kind or "unknown" for r in failed).most_common()),
+        "error_examples": sorted({(r.error or str(r.status))[:200] for r in failed})[:5],
+    }
+
+
 def summarize(
     results: list[RequestResult],
     duration_s: float,
@@ -85,8 +94,7 @@ def summarize(
         "completed": len(ok),
         "errors": len(results) - len(ok),
         "error_rate": (len(results) - len(ok)) / len(results) if results else 0.0,
-        "error_kinds": dict(Counter(r.error_kind or "unknown" for r in results if not r.ok).most_common()),
-        "error_examples": sorted({(r.error or str(r.status))[:200] for r in results if not r.ok})[:5],
+        **failures(results),
         "request_throughput": len(ok) / duration_s,
         "output_token_throughput": sum(r.output_tokens for r in ok) / duration_s,
         "goodput": len(met) / duration_s,

@@ -305,32 +305,44 @@ def _kill_llm_replica(app: str) -> None:
 LONG = with_(max_tokens=80, messages=[{"role": "user", "content": "Tell a long story about the sea."}])
 
 
+class BackgroundStream:
+    """A streamed chat completion read in a thread: `events` are its SSE lines as they arrive, `started` is
+    set once there are three."""
+
+    def __init__(self, url: str, body: dict, timeout_s: float = 240):
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(url, body, timeout_s))
+        self.thread.start()
+
+    def _read(self, url: str, body: dict, timeout_s: float) -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as res:
+            for line in res.iter_lines():
+                if line:
+                    self.events.append(line)
+                if len(self.events) >= 3:
+                    self.started.set()
+
+    def join(self, timeout_s: float = 240) -> list[str]:
+        """Wait for the stream's end; its events."""
+        self.thread.join(timeout_s)
+        return self.events
+
+
 def stream_and_post(url: str, stream_body: dict, post_body: dict, kill: str | None) -> tuple[list[str], httpx.Response]:
     """A stream and a non-streaming request at once; with `kill`, that app's LLM replica is killed once the
     stream has had three events. The stream's events and the other's response."""
-    events: list[str] = []
-    started = threading.Event()
     unary: list[httpx.Response] = []
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=stream_body, timeout=240) as res:
-            for line in res.iter_lines():
-                if line:
-                    events.append(line)
-                if len(events) >= 3:
-                    started.set()
-
-    def whole() -> None:
-        unary.append(httpx.post(f"{url}/v1/chat/completions", json=post_body, timeout=240))
-
-    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
-    for t in threads:
-        t.start()
-    assert started.wait(60)
+    whole = threading.Thread(
+        target=lambda: unary.append(httpx.post(f"{url}/v1/chat/completions", json=post_body, timeout=240))
+    )
+    whole.start()
+    stream = BackgroundStream(url, stream_body)
+    assert stream.started.wait(60)
     if kill is not None:
         _kill_llm_replica(kill)
-    for t in threads:
-        t.join(240)
+    events = stream.join()
+    whole.join(240)
     return events, unary[0]
 
 
@@ -422,23 +434,11 @@ def test_a_redeploy_drains_the_replica_and_hands_its_stream_over(base_url):
     undisturbed, _ = stream_and_post(url, body, OK, kill=None)
     want, usage = stream_text(undisturbed)
     assert usage["completion_tokens"] == 400
-    events: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as res:
-            for line in res.iter_lines():
-                if line:
-                    events.append(line)
-                if len(events) >= 3:
-                    started.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(60)
+    stream = BackgroundStream(url, body, timeout_s=300)
+    assert stream.started.wait(60)
     redeployed = engine | {"max_num_seqs": 31}  # a new version of LLMReplica
     serve.run(build_app_with_options({"engine": redeployed}, drain), name="drain", route_prefix="/drain")
-    t.join(300)
+    events = stream.join(300)
     assert events[-1] == "data: [DONE]"
     assert stream_text(events) == (want, usage)
     # It was handed over (the old ingress, whose counter saw it, is gone: its log says so).

@@ -7,8 +7,6 @@ plain decoding, for plain requests, Lyanna and EAGLE, mixed in one batch, stream
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +17,7 @@ import pytest
 from engines.sampling import SamplingParams
 from serve_app.app import build_app
 from tests.conftest import CHAT_PROMPTS
-from tests.serve_app.test_reliability import free_port, poll_health
+from tests.serve_app.test_reliability import BackgroundStream, free_port, poll_health, stream_text
 
 pytestmark = pytest.mark.slow
 
@@ -110,33 +108,17 @@ def test_a_request_whose_rank_one_is_killed_resumes_on_the_replacement_as_if_und
     before = set(rank_actors())
     body = {"model": MODEL, "messages": CHAT_PROMPTS[3], "max_tokens": 160, "temperature": 0, "stream": True}
 
-    def stream(events: list[str], started: threading.Event) -> None:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=240) as res:
-            for line in res.iter_lines():
-                if line:
-                    events.append(line)
-                if len(events) >= 3:
-                    started.set()
-
-    def text(events: list[str]) -> str:
-        chunks = [json.loads(e.removeprefix("data: ")) for e in events if e != "data: [DONE]"]
-        assert all("error" not in c for c in chunks), chunks[-2:]
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-
-    undisturbed: list[str] = []
-    stream(undisturbed, threading.Event())
-    events: list[str] = []
-    started = threading.Event()
-    t = threading.Thread(target=stream, args=(events, started))
-    t.start()
-    assert started.wait(60)
+    undisturbed = BackgroundStream(url, body).join()
+    stream = BackgroundStream(url, body)
+    assert stream.started.wait(60)
     (mine,) = [n for n in before if _serves(n, url)]
     killed = time.monotonic()
     ray.kill(ray.get_actor(mine, namespace="lyanna"))
-    t.join(240)
+    events = stream.join()
     resumed = time.monotonic() - killed
     assert events[-1] == "data: [DONE]", events[-3:]
-    assert text(events) == text(undisturbed) and len(text(events)) > 100
+    text, _ = stream_text(events)
+    assert text == stream_text(undisturbed)[0] and len(text) > 100
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     resumptions = [line for line in metrics.splitlines() if line.startswith("lyanna_resumptions_total")]
     assert [line.split('reason="')[1] for line in resumptions] == ['engine_failed"} 1.0'], resumptions
