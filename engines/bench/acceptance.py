@@ -3,10 +3,12 @@
     python -m engines.acceptance --prompts val.jsonl --num-prompts 16 --depth 3 --width 4 --budget 16 \\
         --drafter lyanna=lyanna:CKPT --drafter eagle=eagle:CKPT --drafter lyanna-dense=lyanna:CKPT:dense
 
-Each `--drafter LABEL=KIND[:CHECKPOINT][:dense]` decodes the same prompts greedily with the same tree
-settings; `dense` uses the low-rank token-info product for every token instead of the hot-token
-table. Step d's conditional acceptance is P(the accepted path reaches depth d | it reached d-1 and
-the tree had a node at depth d). Prints a markdown table, then one JSON object as the last line.
+Each `--drafter LABEL=KIND[:CHECKPOINT][:dense][:noresample]` decodes the same prompts greedily with the
+same tree settings; `dense` uses Lyanna's low-rank token-info product for every token instead of the
+hot-token table, `noresample` turns off its re-sampling after a rejection (and so verification fusion:
+every verified draft is then a fresh one, as EAGLE's are). Step d's conditional acceptance is P(the
+accepted path reaches depth d | it reached d-1 and the tree had a node at depth d). Prints a markdown
+table, then one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -19,18 +21,22 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.engine_config import add_engine_args
 from engines.sampling import SamplingParams
 
+FLAGS = {"dense": {"lyanna_token_info_rows": 0}, "noresample": {"lyanna_resampling": False}}
+SYNTAX = "LABEL=KIND[:CHECKPOINT][:dense][:noresample]"
+
 
 def parse_drafter(text: str, **settings) -> tuple[str, EngineConfig]:
-    """'LABEL=KIND[:CHECKPOINT][:dense]' -> (label, engine settings; `settings` adds the rest)."""
+    """'LABEL=KIND[:CHECKPOINT][:FLAG...]' -> (label, engine settings; `settings` adds the rest)."""
     label, _, rest = text.partition("=")
     if not rest:
-        raise SystemExit(f"bad --drafter {text!r}: use LABEL=KIND[:CHECKPOINT][:dense]")
+        raise SystemExit(f"bad --drafter {text!r}: use {SYNTAX}")
     parts = rest.split(":")
-    dense = parts[-1] == "dense"
-    if dense:
-        parts = parts[:-1]
+    extra: dict = {}
+    while len(parts) > 1 and parts[-1] in FLAGS:
+        extra |= FLAGS[parts.pop()]
+    if len(parts) > 2:
+        raise SystemExit(f"bad --drafter {text!r}: use {SYNTAX}")
     kind, checkpoint = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
-    extra = {"lyanna_token_info_rows": 0} if dense else {}
     return label, EngineConfig(drafter=kind, draft_model=checkpoint, **extra, **settings)
 
 
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     add_engine_args(ap, ["spec_depth", "spec_width", "spec_budget", "dtype"])
-    ap.add_argument("--drafter", action="append", required=True, help="LABEL=KIND[:CHECKPOINT][:dense]")
+    ap.add_argument("--drafter", action="append", required=True, help=SYNTAX)
     args = ap.parse_args(argv)
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)

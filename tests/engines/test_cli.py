@@ -38,6 +38,21 @@ def test_measurement_clis_answer_where_users_call_them(module, flag):
     assert flag in res.stdout
 
 
+def test_acceptance_drafter_specs_name_kind_checkpoint_and_flags():
+    from engines.bench.acceptance import parse_drafter
+
+    label, cfg = parse_drafter("like-eagle=lyanna::dense:noresample")
+    assert label == "like-eagle" and cfg.drafter == "lyanna" and cfg.draft_model is None
+    assert cfg.lyanna_token_info_rows == 0 and not cfg.lyanna_resampling
+    _, cfg = parse_drafter("l=lyanna:/ckpt:noresample")
+    assert cfg.draft_model == "/ckpt" and not cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 1024
+    _, cfg = parse_drafter("e=eagle")
+    assert cfg.drafter == "eagle" and cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 1024
+    for bad in ("lyanna", "x=lyanna:/a:/b"):
+        with pytest.raises(SystemExit):
+            parse_drafter(bad)
+
+
 def test_sharegpt_prompt_file_round_trip(tmp_path):
     records = sharegpt_prompts(5)
     assert len(records) == 5 and all(r["messages"][0]["role"] == "user" for r in records)
