@@ -80,7 +80,10 @@ class EngineConfig(BaseModel):
     )
     lyanna_resampling: bool = Field(True, description="Lyanna re-samples after a rejection (Algorithm 2)")
     lyanna_token_info_rows: int = Field(
-        1024, ge=0, description="Hot tokens in Lyanna's collapsed token-info table (0: the dense low-rank product)"
+        0,
+        ge=0,
+        description="Lyanna's token info: 0 = every token's, as trained (the low-rank product); N = a table of the "
+        "N most frequent tokens, none for others",
     )
     lyanna_fusion: bool = Field(True, description="Verify a re-sampled tree fused with the next draft")
     draft_quantization: Literal["auto", "none"] = Field(

@@ -1,14 +1,14 @@
 """Conditional acceptance by draft step for several drafters (the Lyanna paper's Table 1 layout).
 
     python -m engines.acceptance --prompts val.jsonl --num-prompts 16 --depth 3 --width 4 --budget 16 \\
-        --drafter lyanna=lyanna:CKPT --drafter eagle=eagle:CKPT --drafter lyanna-dense=lyanna:CKPT:dense
+        --drafter lyanna=lyanna:CKPT --drafter eagle=eagle:CKPT --drafter lyanna-table=lyanna:CKPT:table
 
-Each `--drafter LABEL=KIND[:CHECKPOINT][:dense][:noresample]` decodes the same prompts greedily with the
-same tree settings; `dense` uses Lyanna's low-rank token-info product for every token instead of the
-hot-token table, `noresample` turns off its re-sampling after a rejection (and so verification fusion:
-every verified draft is then a fresh one, as EAGLE's are). Step d's conditional acceptance is P(the
-accepted path reaches depth d | it reached d-1 and the tree had a node at depth d). Prints a markdown
-table, then one JSON object as the last line.
+Each `--drafter LABEL=KIND[:CHECKPOINT][:dense|:table][:noresample]` decodes the same prompts greedily with
+the same tree settings; `dense` (the default) gives Lyanna the low-rank token info of every token, `table`
+that of the 1,024 most frequent tokens only (a lookup table), `noresample` turns off its re-sampling
+after a rejection (and so verification fusion: every verified draft is then a fresh one, as EAGLE's are).
+Step d's conditional acceptance is P(the accepted path reaches depth d | it reached d-1 and the tree had a
+node at depth d). Prints a markdown table, then one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.engine_config import add_engine_args
 from engines.sampling import SamplingParams
 
-FLAGS = {"dense": {"lyanna_token_info_rows": 0}, "noresample": {"lyanna_resampling": False}}
-SYNTAX = "LABEL=KIND[:CHECKPOINT][:dense][:noresample]"
+FLAGS = {
+    "dense": {"lyanna_token_info_rows": 0},
+    "table": {"lyanna_token_info_rows": 1024},
+    "noresample": {"lyanna_resampling": False},
+}
+SYNTAX = "LABEL=KIND[:CHECKPOINT][:dense|:table][:noresample]"
 
 
 def parse_drafter(text: str, **settings) -> tuple[str, EngineConfig]:

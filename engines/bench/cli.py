@@ -142,6 +142,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "lyanna-no-resampling": ("lyanna", {"lyanna_resampling": False}),
     "lyanna-no-fusion": ("lyanna", {"lyanna_fusion": False}),
     "lyanna-dense": ("lyanna", {"lyanna_token_info_rows": 0}),
+    "lyanna-table": ("lyanna", {"lyanna_token_info_rows": 1024}),
     "lyanna-eager-draft": ("lyanna", {"draft_quantization": "none"}),
     "eagle-eager-draft": ("eagle", {"draft_quantization": "none"}),
 }

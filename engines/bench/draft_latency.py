@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from engines.datasets import read_prompt_file
+from engines.drafters.token_info import TokenInfoTable
 from engines.drafters.token_info_sampling import build_subtrees
 from engines.engine import EngineConfig, LLMEngine
 from engines.engine_config import add_engine_args
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--num-prompts", type=int, default=4)
-    add_engine_args(ap, ["spec_depth", "spec_width", "spec_budget", "dtype"])
+    add_engine_args(ap, ["spec_depth", "spec_width", "spec_budget", "dtype", "lyanna_token_info_rows"])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
     ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
                 spec_depth=spec.depth,
                 spec_width=spec.width,
                 spec_budget=spec.budget,
+                lyanna_token_info_rows=args.lyanna_token_info_rows,
             )
         )
 
@@ -147,9 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
     result["catch_up_batched_vs_one_by_one"] = result["lyanna.catch_up_batched"] / result["lyanna.catch_up_one_by_one"]
     result["lyanna_vs_eagle_draft"] = result["lyanna.draft"] / result["eagle.draft"]
     result["head_one_pass_vs_per_step"] = result["lyanna.head_one_pass"] / result["lyanna.head_per_step"]
-    table = lyanna.token_info
-    result["token_info_table_bytes"] = getattr(table, "nbytes", 0)
-    result["token_info_table_rows"] = getattr(table, "num_hot", 0)
+    info = lyanna.token_info
+    result["token_info"] = "table" if isinstance(info, TokenInfoTable) else "dense" if info is not None else "none"
+    result["token_info_bytes"] = getattr(info, "nbytes", 0)
+    result["token_info_table_rows"] = getattr(info, "num_hot", 0)
     result |= {"depth": args.spec_depth, "width": args.spec_width, "budget": args.spec_budget, "dtype": args.dtype}
     for name, v in result.items():
         print(f"{name:28s} {v:.3f}" if isinstance(v, float) else f"{name:28s} {v}")

@@ -28,6 +28,7 @@ import torch
 from engines.draft_tree import DraftTree, merge_trees
 from engines.drafters.base import Drafter
 from engines.drafters.lyanna_model import LyannaDraftModel
+from engines.drafters.token_info import DenseTokenInfo
 from engines.drafters.token_info_sampling import build_subtrees
 from engines.request import Request
 from engines.spec_params import SpecParams
@@ -63,7 +64,7 @@ class _State:
 
 class LyannaDrafter(Drafter):
     """Drafts with a trained `LyannaDraftModel`; token info comes from a collapsed hot-token table
-    when one is given, else from the model's low-rank embedding."""
+    when one is given, else from the model's low-rank embedding for every token (`DenseTokenInfo`)."""
 
     name = "lyanna"
     wants_hidden = True
@@ -83,7 +84,9 @@ class LyannaDrafter(Drafter):
         # the target runs its fused CPU decoder; else the eager layer over per-request K/V tensors.
         self.fused_layer = fused_layer
         self.kv_cache = kv_cache
-        self.token_info = token_info_table or model.token_info
+        self.token_info = token_info_table
+        if token_info_table is None and model.token_info is not None:
+            self.token_info = DenseTokenInfo(model.token_info)
         self.resample = resample
         self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
         self.resample_threshold = resample_threshold

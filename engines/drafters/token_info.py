@@ -1,10 +1,13 @@
-"""Lyanna's token-info embedding E'(t) = RMSNorm(W_E[t] · W1 · W2) and its collapsed lookup table.
+"""Lyanna's token-info embedding E'(t) = RMSNorm(W_E[t] · W1 · W2), and its two inference forms.
 
 W_E is the target's frozen input embedding; W1 [hidden, rank] and W2 [rank, vocab_out] are trained.
 The result is an additive offset on the drafter's logits (vocab_out = the drafter's output
-vocabulary: the full vocabulary, or a hot subset when the LM head is restricted). After training
-the product is materialised for the most frequent ("hot") tokens only, so sampling does a row
-lookup and no matmul; other tokens contribute no offset.
+vocabulary: the full vocabulary, or a hot subset when the LM head is restricted).
+
+At inference, `DenseTokenInfo` computes what training optimised for every token (fp32, with W_E · W1
+precomputed: a row gather, one [F, rank] x [rank, vocab_out] product and the norm per call);
+`TokenInfoTable` materialises the product for the most frequent ("hot") tokens only, a row lookup, and
+gives other tokens no offset (cheaper, but it accepts less: docs/drafters.md).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engines.model import RMSNorm
@@ -42,6 +46,26 @@ class TokenInfoEmbedding(nn.Module):
             [self(hot_tokens), torch.zeros(1, self.w2.shape[1], dtype=self.w2.dtype, device=self.w2.device)]
         )
         return TokenInfoTable(table, row_of)
+
+
+class DenseTokenInfo:
+    """`TokenInfoEmbedding` for inference: every token's offsets as training computes them, in fp32, with the
+    target-embedding half of the low-rank product precomputed ([vocab, rank])."""
+
+    def __init__(self, embedding: TokenInfoEmbedding):
+        with torch.no_grad():
+            self.projected = embedding.w_e.float() @ embedding.w1.float()  # [vocab, rank]
+            self.w2 = embedding.w2.detach().float()  # [rank, vocab_out]
+            self.weight = embedding.norm.weight.detach().float()
+        self.eps = embedding.norm.eps
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:  # [F] -> [F, vocab_out] fp32
+        return F.rms_norm(self.projected[tokens] @ self.w2, self.weight.shape, self.weight, eps=self.eps)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the precomputed product, W2 and the norm's weight."""
+        return sum(t.numel() * t.element_size() for t in (self.projected, self.w2, self.weight))
 
 
 class TokenInfoTable:

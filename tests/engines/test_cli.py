@@ -45,9 +45,11 @@ def test_acceptance_drafter_specs_name_kind_checkpoint_and_flags():
     assert label == "like-eagle" and cfg.drafter == "lyanna" and cfg.draft_model is None
     assert cfg.lyanna_token_info_rows == 0 and not cfg.lyanna_resampling
     _, cfg = parse_drafter("l=lyanna:/ckpt:noresample")
-    assert cfg.draft_model == "/ckpt" and not cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 1024
+    assert cfg.draft_model == "/ckpt" and not cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 0
+    _, cfg = parse_drafter("t=lyanna::table")
+    assert cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 1024
     _, cfg = parse_drafter("e=eagle")
-    assert cfg.drafter == "eagle" and cfg.lyanna_resampling and cfg.lyanna_token_info_rows == 1024
+    assert cfg.drafter == "eagle" and cfg.draft_model is None
     for bad in ("lyanna", "x=lyanna:/a:/b"):
         with pytest.raises(SystemExit):
             parse_drafter(bad)
@@ -157,15 +159,15 @@ def test_acceptance_and_draft_latency_clis_report_every_drafter(tmp_path):
     write_prompt_file(sharegpt_prompts(2, max_chars=300, split="val"), prompts)
     res = run(
         "engines.acceptance", "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12",
-        "--drafter", "lyanna=lyanna", "--drafter", "dense=lyanna::dense", "--drafter", "eagle=eagle",
+        "--drafter", "lyanna=lyanna", "--drafter", "table=lyanna::table", "--drafter", "eagle=eagle",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
-    assert set(rows) == {"lyanna", "dense", "eagle"}
+    assert set(rows) == {"lyanna", "table", "eagle"}
     assert all(1 <= len(r["acceptance_by_depth"]) <= 3 and r["mean_accepted_tokens"] >= 1.0 for r in rows.values())
     assert "| lyanna |" in res.stdout
     res = run("engines.bench.draft_latency", "--prompts", str(prompts), "--num-prompts", "1", "--rounds", "2")
     assert res.returncode == 0, res.stderr
     lat = json.loads(res.stdout.strip().splitlines()[-1])
-    assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info_table_rows"] == 1024
+    assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info"] == "dense"
     assert lat["lyanna.catch_up_batched"] > 0 and lat["catch_up_batched_vs_one_by_one"] > 0

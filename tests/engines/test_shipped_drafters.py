@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engines.datasets import sharegpt_prompts
 from engines.drafters.checkpoint import SHIPPED, hot_tokens_by_frequency
 from engines.drafters.eagle import EagleDrafter
 from engines.drafters.lyanna import LyannaDrafter
-from engines.drafters.token_info import TokenInfoTable
+from engines.drafters.token_info import DenseTokenInfo, TokenInfoTable
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -35,10 +36,16 @@ def test_shipped_checkpoint_is_small_and_has_a_model_card(kind):
 
 
 def test_engine_loads_the_shipped_lyanna_drafter_by_default():
+    """With every token's token info, as trained (a hot-token table on request)."""
     engine = LLMEngine(EngineConfig(num_kv_blocks=64))
-    assert isinstance(engine.executor.drafter, LyannaDrafter)
-    token_info = engine.executor.drafter.token_info
-    assert isinstance(token_info, TokenInfoTable) and token_info.num_hot == 1024
+    drafter = engine.executor.drafter
+    assert isinstance(drafter, LyannaDrafter) and isinstance(drafter.token_info, DenseTokenInfo)
+    tokens = torch.tensor([0, 17, 5000, 49151])  # rare and frequent alike
+    with torch.no_grad():
+        want = drafter.model.token_info(tokens).float()
+    torch.testing.assert_close(drafter.token_info(tokens), want, rtol=0.05, atol=0.05)
+    table = LLMEngine(EngineConfig(num_kv_blocks=64, lyanna_token_info_rows=1024)).executor.drafter.token_info
+    assert isinstance(table, TokenInfoTable) and table.num_hot == 1024
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from engines.drafters.token_info import TokenInfoEmbedding, hot_tokens
+from engines.drafters.token_info import DenseTokenInfo, TokenInfoEmbedding, hot_tokens
 from engines.drafters.token_info_sampling import build_subtree, build_subtrees
 
 
@@ -43,6 +43,20 @@ def test_collapsed_table_equals_low_rank_product_on_hot_tokens():
         else:
             assert torch.count_nonzero(got[i]) == 0  # cold tokens carry no token info
     assert table.num_hot == 3 and table.nbytes == 4 * 50 * 4 + 50 * 8
+
+
+def test_dense_inference_form_equals_the_trained_product_on_every_token():
+    """What the engine uses by default: every token's offsets as training computes them (in fp32), also for
+    a drafter held in bf16."""
+    emb = make(vocab=300, hidden=32, rank=8, vocab_out=64)
+    with torch.no_grad():
+        emb.norm.weight.uniform_(0.5, 1.5)
+        tokens = torch.arange(300)
+        want = emb(tokens)
+        torch.testing.assert_close(DenseTokenInfo(emb)(tokens), want, rtol=1e-5, atol=1e-5)
+        half = DenseTokenInfo(emb.to(torch.bfloat16))(tokens)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, want, rtol=0.05, atol=0.05)  # bf16 weights, fp32 arithmetic
 
 
 def test_table_plugs_into_tree_sampling():

@@ -45,6 +45,7 @@ def engine(target: str, kernels: str, drafter: str = "none", draft: str | None =
             spec_width=2,
             spec_budget=6,
             kernels=kernels,
+            lyanna_token_info_rows=1024,  # Lyanna's token info as a table: what the expansion kernel takes
         )
     )
 
