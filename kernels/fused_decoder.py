@@ -143,7 +143,7 @@ def max_rows() -> int:
     return MANY_ROWS if integer_dot.amx_active() else MAX_ROWS
 
 
-def shared_segment(tp: TensorParallel):
+def shared_segment(tp: TensorParallel) -> SharedSegment | None:
     """The shared-memory all-reduce a tensor-parallel rank's C forward sums through (engines/shm_all_reduce.py's
     `SharedSegment`), or None where the ranks sum otherwise (gloo, NCCL)."""
     segment = getattr(tp.reducer, "segment", None)
