@@ -94,9 +94,11 @@ def test_same_seed_same_output_other_seed_other_output(engine_fp32, solo_referen
     conv, params = SOLO[0]
     assert engine_fp32.generate([conv], params)[0].token_ids == solo_reference[0]
     assert solo_reference[0] != solo_reference[1]  # seeds 0 and 7 on the same prompt
-    unseeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
-    a, b = engine_fp32.generate([conv, conv], unseeded)
-    assert a.token_ids != b.token_ids  # each unseeded request draws its own seed
+    # each unseeded request draws its own seed: four draws on a prompt the model answers confidently are not
+    # all the same (two at temperature 0.8 once were)
+    unseeded = SamplingParams(temperature=1.2, max_tokens=24, ignore_eos=True)
+    outs = engine_fp32.generate([conv] * 4, unseeded)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
 
 
 def test_seed_is_drawn_at_admission_when_not_given(engine_fp32):
