@@ -143,12 +143,18 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     return logprobs
 
 
+def vocab_argmax(values: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value over the last dimension (the first on ties; a NaN wins), as
+    argmax gives it: torch's row max, several times faster than argmax over a vocabulary on CPUs."""
+    return values.max(-1).indices
+
+
 def gumbel_argmax(logprobs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
     """Gumbel-max over processed log-probabilities [N, vocab]: row r's token is
     argmax(logprobs[r] + G(seeds[r], positions[r])), a draw from exp(logprobs[r]). Filtered tokens
     (-inf) stay -inf and never win. Returns [N] int64."""
     noise = gumbel_for(seeds, positions, logprobs.shape[-1], logprobs.device)
-    return (logprobs + noise).argmax(-1)
+    return vocab_argmax(logprobs + noise)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> torch.Tensor:
@@ -156,7 +162,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     draw from the processed distribution with the noise of (seeds[r], positions[r]), where a position
     is the output index of the token being produced (len(output_token_ids) before it is appended).
     All sampled rows are drawn by one tensor op. Returns [N] int64."""
-    tokens = logits.argmax(-1)
+    tokens = vocab_argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         logprobs = processed_logprobs(logits[rows], [params[i] for i in rows])

@@ -43,7 +43,7 @@ import torch
 
 from engines.draft_tree import DraftTree
 from engines.positional_random import gumbel_noise, seed_to_int64, uniform_noise
-from engines.sampling import SamplingParams, processed_logprobs
+from engines.sampling import SamplingParams, processed_logprobs, vocab_argmax
 from kernels.dispatch import use_triton
 
 
@@ -434,7 +434,7 @@ def walk_sampled_trees(items: list[VerifyItem], logits: torch.Tensor, offsets: l
     visited, drawn = [], []
     for level in range(max(it.tree.depth for it in items) + 1):
         logprobs = processed_logprobs(logits[node], params)
-        token = (logprobs + gumbel_noise(seeds, base + level, vocab)).argmax(-1)
+        token = vocab_argmax(logprobs + gumbel_noise(seeds, base + level, vocab))
         visited.append(torch.where(alive, node, -1))
         drawn.append(token)
         match = (child_tok[node] == token[:, None]) & alive[:, None]  # a request that stopped stays put
@@ -514,7 +514,7 @@ def verify_batch(
     chains = [i for i, it in enumerate(items) if _is_chain(it)]
     trees = [i for i, it in enumerate(items) if not it.params.greedy and not _is_chain(it)]
     tree_offsets = [offsets[i] for i in trees]
-    on_device = [logits.argmax(-1)]
+    on_device = [vocab_argmax(logits)]
     if trees:
         on_device.append(walk_sampled_trees([items[i] for i in trees], logits, tree_offsets).flatten())
     if chains:
@@ -563,11 +563,11 @@ def _verify_batch_walking(
     lengths = [len(h) for h in host] + [len(walk_offsets)]
     flat = torch.tensor([x for h in host for x in h] + walk_offsets, dtype=torch.int64).to(device, non_blocking=True)
     rows, tokens, parents, drawn, seeds, positions, walk_off = flat.split(lengths)
-    target = logits.argmax(-1)
+    target = vocab_argmax(logits)
     if sampled:
         params = [items[i].params for i in sampled for _ in range(sizes[i])]
         logprobs = processed_logprobs(logits[drawn], params)
-        target = target.index_copy(0, drawn, (logprobs + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(-1))
+        target = target.index_copy(0, drawn, vocab_argmax(logprobs + gumbel_noise(seeds, positions, logits.shape[-1])))
     on_device = []
     levels = max((items[i].tree.depth for i in walked), default=0) + 1
     if walked:

@@ -28,7 +28,7 @@ from engines.kv_cache import PagedKVCache
 from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
 from engines.request import Request, TokenLogprob
-from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample
+from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample, vocab_argmax
 from engines.scheduler import ScheduledRequest, SchedulerOutput
 from engines.spec_decode.policy import SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats
@@ -251,7 +251,7 @@ class SpecDecodeExecutor:
             node_rows = [plan.logits_start[b] + n for b in trees for n in range(drafts[b].size)]
             index = torch.tensor(node_rows, dtype=torch.long).to(device, non_blocking=True)
             logits = step.logits.index_select(0, index)
-            draws = logits.argmax(-1)
+            draws = vocab_argmax(logits)
             drawn = [i for i, b in enumerate(trees) if not scheduled[b].request.params.greedy]
             if drawn:
                 offsets = [0, *accumulate(drafts[b].size for b in trees)]

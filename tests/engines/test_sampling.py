@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engines.sampling import SamplingParams, processed_logprobs, sample
+from engines.sampling import SamplingParams, processed_logprobs, sample, vocab_argmax
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -126,3 +126,17 @@ def test_int64_extreme_seeds_are_valid():
     for seed in (2**63 - 1, -(2**63), -1, 0):
         p = SamplingParams(seed=seed).validate(100)
         p.make_generator()  # torch accepts every int64 seed
+
+
+def test_vocab_argmax_is_argmax_with_its_ties_and_nans():
+    """The greedy token of every row is argmax's: the first of tied maxima, a NaN's index where there is one,
+    in fp32 and bf16, over a vocabulary's width and a short row."""
+    torch.manual_seed(0)
+    rows = torch.randn(6, 49152)
+    rows[0, 7] = rows[0, 40000] = 50.0  # tied maxima
+    rows[1, 100] = float("nan")
+    rows[2, -1] = rows[2, 3] = 50.0
+    rows[3] = 0.0  # every value tied
+    for values in (rows, rows.bfloat16(), rows[:, :5]):
+        assert torch.equal(vocab_argmax(values), values.argmax(-1))
+    assert vocab_argmax(rows).tolist()[:4] == [7, 100, 3, 0]
