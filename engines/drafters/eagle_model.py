@@ -32,7 +32,7 @@ class EagleDraftModel(LyannaDraftModel):
         hot_tokens: torch.Tensor | None = None,
         final_norm: torch.Tensor | None = None,
     ):
-        cfg = replace(cfg, use_fusion=True, use_token_info=False)
+        cfg = replace(cfg, use_fusion=True, use_token_info=False, chain_fusion=False)
         super().__init__(cfg, embedding, lm_head, hot_tokens, final_norm)
 
     def chain_input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

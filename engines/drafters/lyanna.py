@@ -231,7 +231,7 @@ class LyannaDrafter(Drafter):
         ones = [1] * len(ready)
         for i in range(1, steps):
             positions = [req.num_tokens - 2 + i for _, req, _ in ready]
-            h = self.model.norm(fused(h, positions, ones, tables).to(h.dtype))
+            h = self.model.norm(fused(self.model.chain_input(h), positions, ones, tables).to(h.dtype))
             traj.append(h)
         return torch.stack(traj, dim=1)
 
@@ -282,7 +282,8 @@ class LyannaDrafter(Drafter):
         valid = torch.arange(width, device=h.device) < ctx_lens.unsqueeze(1)  # [B, width]
         traj = [h]
         for i in range(1, steps):
-            q, k, v = m._qkv(h, pos + i)  # q: [B, heads, d]; k, v: [B, kv_heads, d]
+            x = m.chain_input(h)
+            q, k, v = m._qkv(x, pos + i)  # q: [B, heads, d]; k, v: [B, kv_heads, d]
             col = max(lens) + i - 1
             keys[:, col], values[:, col], valid[:, col] = m._expand_kv(k), m._expand_kv(v), True
             attn = torch.nn.functional.scaled_dot_product_attention(
@@ -291,7 +292,7 @@ class LyannaDrafter(Drafter):
                 values[:, : col + 1].transpose(1, 2),
                 attn_mask=valid[:, None, None, : col + 1],
             )  # [B, heads, 1, d]
-            h = m._finish(h, attn.squeeze(2))
+            h = m._finish(x, attn.squeeze(2))
             traj.append(h)
         stacked = torch.stack(traj, dim=1)  # [B, steps, hidden]
         for b, (i, _, _) in enumerate(ready):

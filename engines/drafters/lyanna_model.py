@@ -43,6 +43,7 @@ class LyannaConfig:
     use_fusion: bool = True  # first-step fusion of the bonus token's embedding
     use_token_info: bool = True  # token info added to the logits when sampling
     draft_vocab: int | None = None  # size of the hot vocabulary the LM head covers (None: all tokens)
+    chain_fusion: bool = False  # steps >= 2 read fuse(h, a learned token-free embedding): step 1's input space
 
 
 class LyannaDraftModel(nn.Module):
@@ -92,6 +93,10 @@ class LyannaDraftModel(nn.Module):
         self.rotary = RotaryEmbedding(replace(t, num_layers=1))
         vocab_out = cfg.draft_vocab or embedding.shape[0]  # token info lives in the drafter's logit space
         self.token_info = TokenInfoEmbedding(embedding, cfg.token_info_rank, vocab_out) if cfg.use_token_info else None
+        if cfg.chain_fusion and not cfg.use_fusion:
+            raise ValueError("chain_fusion feeds the later steps through the fuse projection: it needs use_fusion")
+        # The later steps' stand-in for a token: one learned vector, so the trajectory stays token-free.
+        self.chain_embed = nn.Parameter(embedding.float().mean(0).to(dtype)) if cfg.chain_fusion else None
         self.reset_parameters()
         if final_norm is not None:
             # Start the output norm at the target's final norm: the states it predicts carry the same
@@ -133,10 +138,14 @@ class LyannaDraftModel(nn.Module):
         """fuse(h, E(t)) = W_fuse [norm(h); norm(E(t))]."""
         return self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(self.embed[tokens])], dim=-1))
 
-    def chain_input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def chain_input(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's input at draft steps >= 2 from the previous step's output and the token drafted
-        there: Lyanna feeds the hidden state alone (no token enters the trajectory)."""
-        return h
+        there. No token enters Lyanna's trajectory: it reads the hidden state alone, or with `chain_fusion`
+        fuse(h, the learned token-free embedding), the projection step 1 reads (target state, token) through."""
+        if self.chain_embed is None:
+            return h
+        embed = self.embed_norm(self.chain_embed).expand_as(h)
+        return self.fuse(torch.cat([self.hidden_norm(h), embed], dim=-1))
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         n = x.shape[0]

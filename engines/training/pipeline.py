@@ -141,7 +141,10 @@ def build(recipe: dict[str, Any]):
     torch.manual_seed(recipe["train"]["seed"])  # the same initial drafter on every worker and every run
     model = new_drafter(recipe, frozen).to(device)
     if recipe["init_from"]:  # fine-tuning: an earlier drafter's weights (a run checkpoint, if any, wins later)
-        model.load_state_dict(training_weights(recipe["init_from"]), strict=True)
+        weights = grown_token_info(training_weights(recipe["init_from"]), model)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - {"chain_embed"}:  # a chain embedding is new when --chain-fusion adds it
+            raise RuntimeError(f"--init-from weights do not fit: missing {missing}, unexpected {unexpected}")
     out = Path(recipe["out"])
     target = None
     if recipe["features"] != "store":
@@ -155,6 +158,21 @@ def build(recipe: dict[str, Any]):
         return OnTheFlyFeatures(target, examples)
 
     return model, source("train"), source("val"), TrainConfig(**recipe["train"]), recipe["card"]
+
+
+def grown_token_info(weights: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`weights` with a lower token-info rank than `model`'s padded up to it: W1's new columns as freshly
+    initialised, W2's new rows zero, so the offsets start equal to the earlier drafter's."""
+    info = getattr(model, "token_info", None)
+    w1, w2 = weights.get("token_info.w1"), weights.get("token_info.w2")
+    if info is None or w1 is None or w2 is None or w1.shape[1] >= info.w1.shape[1]:
+        return weights
+    extra = info.w1.shape[1] - w1.shape[1]
+    fresh = info.w1.detach()[:, w1.shape[1] :].to(w1.dtype)
+    return weights | {
+        "token_info.w1": torch.cat([w1, fresh], dim=1),
+        "token_info.w2": torch.cat([w2, w2.new_zeros(extra, w2.shape[1])]),
+    }
 
 
 def new_drafter(recipe: dict[str, Any], target) -> torch.nn.Module:
@@ -207,6 +225,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=64, help="token-info rank")
     ap.add_argument("--no-fusion", action="store_true")
     ap.add_argument("--no-token-info", action="store_true")
+    ap.add_argument(
+        "--chain-fusion",
+        action="store_true",
+        help="Lyanna: steps >= 2 read fuse(h, a learned token-free embedding) (added when fine-tuning one without)",
+    )
     for name, default in asdict(TrainConfig()).items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     return ap.parse_args(argv)
@@ -224,8 +247,8 @@ def init_drafter_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     if meta.get("kind", "lyanna") != args.kind:
         raise SystemExit(f"--init-from {init} holds a {meta.get('kind')!r} drafter, not {args.kind!r}")
     draft = meta.get("draft", {})
-    shape = {
-        "rank": draft.get("token_info_rank", args.rank),
+    shape = {  # a larger --rank grows the token info (grown_token_info); the rest is the drafter's
+        "rank": max(draft.get("token_info_rank", args.rank), args.rank),
         "no_fusion": not draft.get("use_fusion", True),
         "no_token_info": not draft.get("use_token_info", True),
         "draft_vocab": draft.get("draft_vocab") or 0,
@@ -236,6 +259,7 @@ def init_drafter_settings(args: argparse.Namespace) -> dict[str, Any] | None:
             flag = "--" + name.replace("_", "-")
             log.warning("%s %s ignored: the --init-from drafter has %s", flag, getattr(args, name), value)
         setattr(args, name, value)
+    args.chain_fusion = args.chain_fusion or draft.get("chain_fusion", False)  # kept, or added now
     d2t = load_file(str(init / "model.safetensors")).get("d2t")
     record = {k: meta[k] for k in ("data", "command", "init_from") if k in meta}
     curve = init / "curve.jsonl"
@@ -247,6 +271,8 @@ def init_drafter_settings(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every stage; print and return the final validation point."""
     args = parse_args(argv)
+    if args.chain_fusion and (args.kind != "lyanna" or args.no_fusion):
+        raise SystemExit("--chain-fusion is Lyanna's and reads the fuse projection: not with --kind eagle, --no-fusion")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     out = Path(args.out)
     cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(TrainConfig())})
@@ -283,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "use_fusion": not args.no_fusion,
             "use_token_info": not args.no_token_info,
             "draft_vocab": vocab,
+            "chain_fusion": args.chain_fusion,
         },
         "hot_tokens": hot,
         "init_from": str(Path(args.init_from).resolve()) if args.init_from else None,

@@ -50,6 +50,7 @@ class TrainConfig:
     alpha: float = 1.0  # hidden-state regression weight
     beta: float = 0.1  # distribution distillation weight
     step_decay: float = 1.0  # unrolled step s weighs step_decay ** (s - 1) (1: every step alike)
+    chain_alpha: float = -1.0  # the regression weight at steps >= 2 (negative: alpha)
     lr: float = 1e-3
     epochs: int = 1
     max_seq: int = 512  # tokens per training sequence (longer examples are cut)
@@ -90,12 +91,15 @@ def distill_loss(
     alpha: float,
     beta: float,
     step_decay: float = 1.0,
+    chain_alpha: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one sequence and, per step, the share of its positions where the drafter's top-1
     equals the target's over the drafter's vocabulary (a 0-d tensor each, not synchronised). Step s's
     loss weighs `step_decay ** (s - 1)`: a later step's draft counts only where the earlier ones were
-    accepted."""
+    accepted. `chain_alpha` (None or negative: `alpha`) weighs the regression at steps >= 2, whose target
+    state follows a token the drafter does not read."""
     n = hidden.shape[0]
+    later_alpha = alpha if chain_alpha is None or chain_alpha < 0 else chain_alpha
     preds = model.unroll(hidden, tokens, steps)
     total = hidden.new_zeros((), dtype=torch.float32)
     stats: dict[str, torch.Tensor] = {}
@@ -111,7 +115,7 @@ def distill_loss(
         with torch.no_grad():  # over the drafter's (possibly hot) vocabulary: renormalised target
             target_probs = model.logits(target).softmax(-1)
         ce = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
-        total = total + step_decay ** (s - 1) * (alpha * mse + beta * ce)
+        total = total + step_decay ** (s - 1) * ((alpha if s == 1 else later_alpha) * mse + beta * ce)
         stats[f"acc{s}"] = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean().detach()
     return total, stats
 
@@ -176,7 +180,9 @@ class Validator:
         for (h, t, m), top1 in self._held:
             h = h.float()
             with torch.autocast(h.device.type, dtype=torch.bfloat16):
-                loss, stats = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
+                loss, stats = distill_loss(
+                    model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay, cfg.chain_alpha
+                )
                 matches.append(chain_matches(model, h, t, m, cfg.steps, top1))
             losses.append(loss.item())
             for key, v in stats.items():
@@ -371,7 +377,7 @@ def train(
         for h, t, m in next(stream):
             h, t, m = (x[: cfg.max_seq].to(device) for x in (h.float(), t.long(), m))
             with torch.autocast(h.device.type, dtype=torch.bfloat16):
-                loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
+                loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay, cfg.chain_alpha)
             if loss.requires_grad:  # a sequence whose answer lies past max_seq has nothing to learn
                 (loss / per_rank_batch).backward()
             loss_sum += loss.item()
@@ -411,7 +417,7 @@ def tokens_per_second(model: LyannaDraftModel, seq: Sequence, cfg: TrainConfig, 
     for _ in range(reps):
         start = time.perf_counter()
         with torch.autocast(h.device.type, dtype=torch.bfloat16):
-            loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay)
+            loss, _ = distill_loss(model, h, t, m, cfg.steps, cfg.alpha, cfg.beta, cfg.step_decay, cfg.chain_alpha)
         if loss.requires_grad:
             loss.backward()
         if device.type == "cuda":

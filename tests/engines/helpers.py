@@ -76,11 +76,12 @@ def assert_resumes_exactly(engine, base: GenerationRequest) -> None:
             assert [lp.token_id for d in rest for lp in d.logprobs] == [lp.token_id for lp in want]
 
 
-def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder) -> str:
-    """A seeded random draft model (Lyanna or EAGLE) over `engine`'s target, saved in `folder`."""
+def random_draft_checkpoint(model_class: type[LyannaDraftModel], engine, folder, **switches) -> str:
+    """A seeded random draft model (Lyanna or EAGLE; `switches`: LyannaConfig's) over `engine`'s target, saved
+    in `folder`."""
     torch.manual_seed(0)
     target = engine.model
-    cfg = LyannaConfig(engine.model_config, token_info_rank=8)
+    cfg = LyannaConfig(engine.model_config, token_info_rank=8, **switches)
     save_draft_model(model_class(cfg, target.embed_tokens.weight.data, target.lm_head_weight.data), folder)
     return str(folder)
 

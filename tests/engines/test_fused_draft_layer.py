@@ -6,11 +6,15 @@ and EAGLE, whose projections and LM head run int8 over a paged cache addressed b
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engines.drafters import eagle
+from engines.drafters.checkpoint import SHIPPED
 from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import PackableLinear
 from engines.request import Request
@@ -85,6 +89,36 @@ def test_the_fused_layer_computes_the_drafters_layer(engine):
             assert err < 0.02, (step, err)
         assert not torch.equal(traj[1], traj[2])  # the steps move on
     finish(engine, reqs)
+
+
+def test_the_fused_layer_computes_a_chain_fusion_drafters_later_steps(tmp_path):
+    """A Lyanna whose steps >= 2 read fuse(h, chain embedding) (the shipped weights with a chain embedding
+    added): the fused layer's trajectory follows its fp32 layer as the plain drafter's does."""
+    shipped = Path(SHIPPED["lyanna"])
+    config = json.loads((shipped / "config.json").read_text())
+    config["draft"]["chain_fusion"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(shipped / "model.safetensors"))
+    torch.manual_seed(0)
+    save_file(
+        weights | {"chain_embed": torch.randn(weights["fuse.weight"].shape[0]) * 0.05},
+        str(tmp_path / "model.safetensors"),
+    )
+    engine = served_engine(draft_model=str(tmp_path))
+    drafter = engine.executor.drafter
+    assert drafter.fused_layer is not None and drafter.model.chain_embed is not None
+    reqs = run_plain(engine, [CHAT_PROMPTS[3]], steps=3)
+    traj = drafter.trajectories(reqs, 4)[0]
+    T = reqs[0].num_tokens
+    hidden = torch.stack(drafter.states[reqs[0].request_id].hidden[: T - 1]).float()
+    want = eager_fp32_reference(drafter).draft_chain(hidden, torch.tensor(reqs[0].token_ids(0, T)), 4)
+    for step in range(4):
+        err = (traj[step].float() - want[step]).norm() / want[step].norm()
+        assert err < 0.02, (step, err)
+    plain = drafter.model.chain_embed
+    drafter.model.chain_embed = None  # the same weights reading h alone draft otherwise from step 2 on
+    assert not torch.allclose(drafter.trajectories(reqs, 4)[0][1:], traj[1:], atol=1e-2)
+    drafter.model.chain_embed = plain
 
 
 def test_a_fused_row_does_not_depend_on_its_batch(engine):

@@ -27,6 +27,17 @@ def lyanna_checkpoint(engine_fp32, tmp_path_factory):
     return random_draft_checkpoint(LyannaDraftModel, engine_fp32, tmp_path_factory.mktemp("lyanna"))
 
 
+@pytest.fixture(scope="module")
+def chain_fusion_checkpoint(engine_fp32, tmp_path_factory):
+    return random_draft_checkpoint(LyannaDraftModel, engine_fp32, tmp_path_factory.mktemp("chain"), chain_fusion=True)
+
+
+@pytest.fixture(params=["plain", "chain_fusion"])
+def any_lyanna_checkpoint(request):
+    """The random Lyanna, and one whose later steps read the fuse projection (`chain_fusion`)."""
+    return request.getfixturevalue("lyanna_checkpoint" if request.param == "plain" else "chain_fusion_checkpoint")
+
+
 def lyanna_engine(checkpoint, **overrides) -> LLMEngine:
     cfg = {
         "dtype": "float32",
@@ -40,8 +51,8 @@ def lyanna_engine(checkpoint, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg))
 
 
-def test_incremental_trajectory_equals_full_recomputation(lyanna_checkpoint):
-    engine = lyanna_engine(lyanna_checkpoint)
+def test_incremental_trajectory_equals_full_recomputation(any_lyanna_checkpoint):
+    engine = lyanna_engine(any_lyanna_checkpoint)
     req = engine.add_request(CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for _ in range(4):
         engine.step()
@@ -54,8 +65,8 @@ def test_incremental_trajectory_equals_full_recomputation(lyanna_checkpoint):
         torch.testing.assert_close(traj, want, rtol=1e-4, atol=1e-4)
 
 
-def test_batched_trajectories_equal_each_request_alone(lyanna_checkpoint):
-    engine = lyanna_engine(lyanna_checkpoint)
+def test_batched_trajectories_equal_each_request_alone(any_lyanna_checkpoint):
+    engine = lyanna_engine(any_lyanna_checkpoint)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
     engine.step()

@@ -29,7 +29,7 @@ def make(**switches) -> LyannaDraftModel:
     return LyannaDraftModel(LyannaConfig(TARGET, token_info_rank=8, **switches), emb, emb)
 
 
-@pytest.mark.parametrize("switches", [{}, {"use_fusion": False}])
+@pytest.mark.parametrize("switches", [{}, {"use_fusion": False}, {"chain_fusion": True}])
 def test_training_unroll_equals_inference_chain_for_every_anchor(switches):
     model = make(**switches)
     torch.manual_seed(1)
@@ -43,6 +43,28 @@ def test_training_unroll_equals_inference_chain_for_every_anchor(switches):
         chain = model.draft_chain(hidden[:p], tokens[: p + 1], steps)
         for s in range(steps):
             torch.testing.assert_close(preds[s][p - 1], chain[s], rtol=1e-4, atol=1e-5)
+
+
+def test_chain_fusion_feeds_later_steps_through_the_fuse_projection():
+    """With `chain_fusion` steps >= 2 read fuse(h, the learned chain embedding); step 1 is unchanged, no token
+    enters the trajectory, and the chain embedding is trained."""
+    plain, fused = make(), make(chain_fusion=True)
+    fused.load_state_dict(plain.state_dict() | {"chain_embed": fused.chain_embed.detach()})
+    hidden = torch.randn(8, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (8,))
+    with torch.no_grad():
+        a, b = plain.unroll(hidden, tokens, 3), fused.unroll(hidden, tokens, 3)
+        torch.testing.assert_close(a[0], b[0])
+        assert not torch.allclose(a[1], b[1])
+        other = tokens.clone()
+        other[5:] = (other[5:] + 1) % TARGET.vocab_size  # the chain's own tokens (after the bonus t_4) change nothing
+        torch.testing.assert_close(
+            fused.draft_chain(hidden[:4], tokens[:7], 3), fused.draft_chain(hidden[:4], other[:7], 3)
+        )
+    sum(p.pow(2).mean() for p in fused.unroll(hidden, tokens, 3)).backward()
+    assert fused.chain_embed.grad is not None and fused.chain_embed.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="use_fusion"):
+        make(chain_fusion=True, use_fusion=False)
 
 
 def test_gradients_reach_trainable_parts_only():

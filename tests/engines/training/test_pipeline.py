@@ -123,6 +123,18 @@ def test_fine_tuning_starts_from_a_drafter_on_conversations_it_has_not_seen(tmp_
     with pytest.raises(SystemExit, match="holds a 'lyanna' drafter"):
         main([*common, "--kind", "eagle", "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"),
               "--out", str(tmp_path / "wrong")])  # fmt: skip
+    # A larger --rank grows the token info with zero offsets (step 0 is the first run's drafter exactly);
+    # --chain-fusion adds the chain embedding to a drafter without one.
+    again = [*common, "--num", "12", "--skip", "6", "--init-from", str(first / "checkpoint"), "--stop-after", "1"]
+    main([*again, "--rank", "96", "--out", str(tmp_path / "grown")])
+    start = json.loads((tmp_path / "grown" / "checkpoint" / "curve.jsonl").read_text().splitlines()[0])
+    assert start["val_loss"] == pytest.approx(before["val_loss"], rel=1e-5)
+    grown = load_file(str(tmp_path / "grown" / "checkpoint" / "model.safetensors"))
+    assert grown["token_info.w1"].shape[1] == grown["token_info.w2"].shape[0] == 96
+    main([*again, "--chain-fusion", "--out", str(tmp_path / "chained")])
+    config = json.loads((tmp_path / "chained" / "checkpoint" / "config.json").read_text())
+    assert config["draft"]["chain_fusion"] and config["draft"]["token_info_rank"] == 64
+    assert "chain_embed" in load_file(str(tmp_path / "chained" / "checkpoint" / "model.safetensors"))
 
 
 def test_self_distilled_data_skips_prompts_before_answering(tmp_path):

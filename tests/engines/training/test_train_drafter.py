@@ -141,3 +141,22 @@ def test_step_decay_weighs_each_unrolled_step_by_its_power():
     one_step.backward()
     alone = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(with_decay, alone, strict=True))
+
+
+def test_chain_alpha_weighs_the_regression_of_the_later_steps_only():
+    """`chain_alpha` replaces alpha at steps >= 2: the loss moves by (chain_alpha - alpha) times the later
+    steps' MSE, which the difference of two beta-free losses recovers; negative keeps alpha."""
+    torch.manual_seed(2)
+    embedding = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
+    model = LyannaDraftModel(LyannaConfig(TARGET), embedding, torch.randn(TARGET.vocab_size, TARGET.hidden_size))
+    hidden = torch.randn(20, TARGET.hidden_size)
+    tokens = torch.randint(0, TARGET.vocab_size, (20,))
+    mask = torch.ones(20)
+    with torch.no_grad():
+        mse_all = distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.0)[0].item()
+        mse_first = distill_loss(model, hidden, tokens, mask, 1, 1.0, 0.0)[0].item()
+        base = distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1)[0].item()
+        for chain_alpha in (0.0, 0.25):
+            got = distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, chain_alpha=chain_alpha)[0].item()
+            assert got == pytest.approx(base + (chain_alpha - 1.0) * (mse_all - mse_first), rel=1e-5)
+        assert distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, chain_alpha=-1.0)[0].item() == pytest.approx(base)
