@@ -136,7 +136,10 @@ class LyannaDraftModel(nn.Module):
 
     def fuse_pair(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """fuse(h, E(t)) = W_fuse [norm(h); norm(E(t))]."""
-        return self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(self.embed[tokens])], dim=-1))
+        return self._fuse(hidden, self.embed[tokens])
+
+    def _fuse(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.fuse(torch.cat([self.hidden_norm(hidden), self.embed_norm(embeddings)], dim=-1))
 
     def chain_input(self, h: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's input at draft steps >= 2 from the previous step's output and the token drafted
@@ -144,8 +147,7 @@ class LyannaDraftModel(nn.Module):
         fuse(h, the learned token-free embedding), the projection step 1 reads (target state, token) through."""
         if self.chain_embed is None:
             return h
-        embed = self.embed_norm(self.chain_embed).expand_as(h)
-        return self.fuse(torch.cat([self.hidden_norm(h), embed], dim=-1))
+        return self._fuse(h, self.chain_embed.expand_as(h))
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         n = x.shape[0]

@@ -112,16 +112,22 @@ def test_acceptance_by_step_is_conditional():
     assert got["chain_tokens"] == pytest.approx(1 + 3 / 4 + 3 / 8)
 
 
-def test_step_decay_weighs_each_unrolled_step_by_its_power():
-    """With `step_decay` g the loss of 3 unrolled steps is l1 + g l2 + g^2 l3: at 0 it is one step's
-    loss (the later steps get no gradient), and the steps' losses recovered from two decays give the
-    third's loss."""
-    torch.manual_seed(1)
+def random_drafter_and_sequence(seed: int):
+    """A seeded random Lyanna over TARGET and one 20-token training sequence: (model, hidden, tokens, mask)."""
+    torch.manual_seed(seed)
     embedding = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
     model = LyannaDraftModel(LyannaConfig(TARGET), embedding, torch.randn(TARGET.vocab_size, TARGET.hidden_size))
     hidden = torch.randn(20, TARGET.hidden_size)
     tokens = torch.randint(0, TARGET.vocab_size, (20,))
     mask = torch.ones(20)
+    return model, hidden, tokens, mask
+
+
+def test_step_decay_weighs_each_unrolled_step_by_its_power():
+    """With `step_decay` g the loss of 3 unrolled steps is l1 + g l2 + g^2 l3: at 0 it is one step's
+    loss (the later steps get no gradient), and the steps' losses recovered from two decays give the
+    third's loss."""
+    model, hidden, tokens, mask = random_drafter_and_sequence(seed=1)
     one_step, _ = distill_loss(model, hidden, tokens, mask, 1, 1.0, 0.1)
     assert distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.1, step_decay=0.0)[0].item() == pytest.approx(
         one_step.item()
@@ -146,12 +152,7 @@ def test_step_decay_weighs_each_unrolled_step_by_its_power():
 def test_chain_alpha_weighs_the_regression_of_the_later_steps_only():
     """`chain_alpha` replaces alpha at steps >= 2: the loss moves by (chain_alpha - alpha) times the later
     steps' MSE, which the difference of two beta-free losses recovers; negative keeps alpha."""
-    torch.manual_seed(2)
-    embedding = torch.randn(TARGET.vocab_size, TARGET.hidden_size)
-    model = LyannaDraftModel(LyannaConfig(TARGET), embedding, torch.randn(TARGET.vocab_size, TARGET.hidden_size))
-    hidden = torch.randn(20, TARGET.hidden_size)
-    tokens = torch.randint(0, TARGET.vocab_size, (20,))
-    mask = torch.ones(20)
+    model, hidden, tokens, mask = random_drafter_and_sequence(seed=2)
     with torch.no_grad():
         mse_all = distill_loss(model, hidden, tokens, mask, 3, 1.0, 0.0)[0].item()
         mse_first = distill_loss(model, hidden, tokens, mask, 1, 1.0, 0.0)[0].item()
