@@ -19,7 +19,8 @@ drafter's cost in the step time: a request's expected gain at a shape is its cal
 times what drafts of that shape realised lately (`ShapeTable`: accepted tokens and verified nodes
 per depth level and width), its cost the nodes they had verified and the drafter's time: its
 round, and its reading of the context each request gained since it last drafted (a request new to
-drafting reads its whole prompt, once: that reading is spread over the steps it has left). Drafting
+drafting reads its whole prompt, once: that reading is spread over the steps it can expect to draft
+in, its remaining steps times the share of requests drafted for lately). Drafting
 for a request new to drafting or idle for a few steps has to beat plain decoding's goodput by
 `min_advantage` (3%: near break-even such a draft has nothing to win and, its reading's share a
 guess, something to lose);
@@ -205,7 +206,7 @@ class _Search:
     near_tokens: float  # tokens the best drafting option is expected to emit
     plain_goodput: float  # predicted tokens per second of the step without drafts
     # per request index: (context tokens the drafter reads, the share of their reading priced into this
-    # step: a cold request's whole reading is spread over the steps it has left)
+    # step: a cold request's whole reading is spread over the steps it can expect to draft in)
     reads: dict[int, tuple[int, float]] = field(default_factory=dict)
     probed: frozenset[int] = frozenset()  # requests priced as if average again (a one-plan probe)
     key: tuple = ()  # the batch it was made for: request ids, caps, other tokens
@@ -303,6 +304,10 @@ class AdaptivePolicy(SpeculationPolicy):
     policy_plain_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
     shapes: ShapeTable = field(default_factory=lambda: ShapeTable())
+    # the share of adaptive requests drafted for per plan, lately (starting at all of them): how many of
+    # its remaining steps a request that starts drafting now can expect to draft in, which its reading
+    # of the context is spread over
+    drafting_share: _Ema = field(default_factory=lambda: _Ema(value=1.0, weight=1 / 32, count=1))
     _pending_prediction: float | None = None
     _step_decoders: int = 0  # this step's decoding requests, tokens besides theirs, TPOT targets (from `plan`)
     _step_other_tokens: int = 0
@@ -412,6 +417,7 @@ class AdaptivePolicy(SpeculationPolicy):
             best_chosen = []
         self._streak_left = max(0, self._streak_left - 1)
         self.decisions[decision] += 1
+        self.drafting_share.add(len(best_chosen) / len(adaptive))
         if decision == "credit_probe" or (decision == "idle_probe" and self.shapes.reach):
             # a probe measures drafting where the models say it does not pay, so the allocation (which
             # prices by the same models) does not get to drop it: its draft is verified whole
@@ -464,7 +470,7 @@ class AdaptivePolicy(SpeculationPolicy):
         factors = {}
         cold = {}
         # per request: the context tokens the drafter reads, and the share of their reading priced into
-        # this step (a cold request's whole reading is spread over the steps it has left)
+        # this step (a cold request's whole reading is spread over the steps it can expect to draft in)
         reads: dict[int, tuple[int, float]] = {}
         probed = set()
         for i in adaptive:
@@ -472,9 +478,9 @@ class AdaptivePolicy(SpeculationPolicy):
             cold[i] = not st.history or st.idle_steps > self.settings.warm_steps
             unread = max(0, req.num_tokens - st.read_upto)
             share = 1.0
-            if cold[i]:
+            if cold[i]:  # its reading pays for the drafts it gets from now on: as many as drafting lately gives
                 left = max(1, req.max_tokens - len(req.output_token_ids))
-                share = 1 / max(1.0, left / _TOKENS_PER_DRAFT_STEP)
+                share = 1 / max(1.0, left * self.drafting_share.value / _TOKENS_PER_DRAFT_STEP)
             reads[i] = (unread, share)
             factor = self.acceptance.request_factor(requests[i].request_id)
             probe = st.idle_steps >= self.settings.probe_every

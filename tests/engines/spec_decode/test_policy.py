@@ -626,6 +626,30 @@ def test_plan_prices_the_context_the_drafter_has_not_read():
     assert chosen == {"new, long to go": True, "new, nearly done": False, "warm": True}
 
 
+def test_a_new_requests_reading_is_spread_over_the_drafts_it_can_expect():
+    """The same new request (400 prompt tokens, 200 to go, as above) drafts while the policy drafts
+    for most requests; where it has lately drafted for few (at batch 32 on a CPU: none), its prompt's
+    40 ms of reading would buy a draft or two, so it is priced whole and the request decodes plainly.
+    The share follows the plans: a stretch of plans that draft for no request brings it down."""
+    chosen = {}
+    for share in (1.0, 0.5, 0.02):
+        p = flat_policy(0.010, 0.0, 0.003)
+        p.draft_cost.observe_reading(10, 0.001)
+        p.draft_cost.observe_reading(100, 0.010)
+        p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+        p.drafting_share = _Ema(share, weight=1 / 32, count=10**6)
+        chosen[share] = p.plan([long_request("a", 400, 200)], [SpecParams(1, 1, 1)], 0)[0] is not None
+    assert chosen == {1.0: True, 0.5: True, 0.02: False}
+
+    p = flat_policy(0.010, 0.0, 0.050)  # drafting that never pays
+    p.shapes = shape_table({(1, 1): (0.5, 1.0)})
+    assert p.drafting_share.value == 1.0  # a fresh policy expects to draft
+    reqs = [request(f"r{i}") for i in range(4)]
+    plans = [p.plan(reqs, [SpecParams(1, 1, 1)] * 4, 0) for _ in range(200)]
+    drafted = sum(s is not None for plan in plans for s in plan) / (4 * len(plans))
+    assert p.drafting_share.value < 0.1 and drafted < 0.1
+
+
 def test_verified_trees_keep_the_drafters_scores_for_calibration():
     """The allocation picks nodes by calibrated estimate, but the tree it hands back carries the
     drafter's own scores: calibrating on estimates would apply the depth factors twice."""
