@@ -248,6 +248,13 @@ class PagedKVCache:
 
         return sequence_slots(self.block_tables[seq_id], self.block_size, start, end)
 
+    def batch_slots(self, seq_ids: list[str], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """Flat slots of cache indices starts[b] .. starts[b] + lengths[b] of each sequence, concatenated
+        (a CPU int64 tensor): `slots` for a batch at once."""
+        from engines.attention import flat_slots
+
+        return flat_slots([self.block_tables[s] for s in seq_ids], self.block_size, starts, lengths)
+
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Keep storage for the first `num_tokens` cache indices; free whole blocks past them."""
         table = self.block_tables.get(seq_id)

@@ -175,6 +175,13 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.stop_token_ids = self._stop_tokens()
         self._token_bytes: dict[int, bytes] = {}
+        # the Rust tokenizer's own decode where the wrapper would add nothing to it (no clean-up of
+        # spaces): a streamed token is decoded twice per step per request, and the wrapper's checks
+        # cost three times the decode
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._decode_ids = self.hf.decode
+        if backend is not None and not getattr(self.hf, "clean_up_tokenization_spaces", False):
+            self._decode_ids = backend.decode
 
     def _stop_tokens(self) -> frozenset[int]:
         ids = set()
@@ -237,7 +244,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids, special tokens skipped."""
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return self._decode_ids(ids, skip_special_tokens=True)
 
 
 def _token_bytes(hf: Any, token_id: int) -> bytes:

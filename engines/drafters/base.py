@@ -45,11 +45,13 @@ class Drafter(ABC):
         `num_computed_tokens` is still the root's position and the path's tokens are not appended."""
 
     def on_prefill(  # noqa: B027 - optional hook for drafters that read the target's hidden states
-        self, request: Request, start: int, hidden: torch.Tensor
+        self, requests: list[Request], hidden: torch.Tensor, row_starts: list[int]
     ) -> None:
-        """Target hidden states of positions start.. of a non-draft forward (prefill chunk or plain
-        decode step), [n, hidden]. Called only when `wants_hidden` is set, for every request (also
-        those that do not speculate: their blocks may serve others from the prefix cache)."""
+        """Target hidden states of a step's non-draft rows (prefill chunks and plain decode steps), every
+        such request at once: request i's positions from its `num_computed_tokens` on are rows
+        row_starts[i]:row_starts[i + 1] of `hidden` ([rows, hidden]). Called only when `wants_hidden`
+        is set, with every such request (also those that do not speculate: their blocks may serve
+        others from the prefix cache)."""
 
     def on_cached_prefix(self, request: Request, num_cached: int) -> None:  # noqa: B027 - optional hook
         """The request was admitted with its first `num_cached` tokens' K/V from the prefix cache (the

@@ -20,6 +20,7 @@ after it (`cache_lookahead`), so every request sharing a block writes the same v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,7 +125,8 @@ class LyannaDrafter(Drafter):
         st.hidden = list(self.hidden_store.index_select(0, slots).to(self.model.embed.dtype).unbind(0))
         self.num_rebuilt += num_cached
 
-    def _record(self, request: Request, start: int, hidden: torch.Tensor) -> None:
+    def _record(self, request: Request, start: int, hidden: Sequence[torch.Tensor]) -> None:
+        """Keep the target's hidden states of positions start.. (one [hidden] row each, the model's dtype)."""
         st = self.states.get(request.request_id)
         if st is None:
             st = self.states[request.request_id] = _State()
@@ -135,16 +137,22 @@ class LyannaDrafter(Drafter):
                 if st.keys is not None:
                     st.keys, st.values = st.keys[:start], st.values[:start]
             st.last_out = None
-        st.hidden.extend(hidden.to(self.model.embed.dtype).unbind(0))
+        st.hidden.extend(hidden)
 
-    def on_prefill(self, request: Request, start: int, hidden: torch.Tensor) -> None:
-        self._store(request, start, hidden)
-        if request.spec is not None:
-            self._record(request, start, hidden)
+    def on_prefill(self, requests: list[Request], hidden: torch.Tensor, row_starts: list[int]) -> None:
+        lengths = [row_starts[i + 1] - row_starts[i] for i in range(len(requests))]
+        if self.hidden_store is not None and self.kv_cache is not None:
+            ids, starts = [r.request_id for r in requests], [r.num_computed_tokens for r in requests]
+            slots = self.kv_cache.batch_slots(ids, starts, lengths).to(self.hidden_store.device)
+            self.hidden_store.index_copy_(0, slots, hidden.to(self.hidden_store.dtype))
+        rows = hidden.to(self.model.embed.dtype).unbind(0)  # one split for the whole step
+        for i, request in enumerate(requests):
+            if request.spec is not None:
+                self._record(request, request.num_computed_tokens, rows[row_starts[i] : row_starts[i + 1]])
 
     def on_verified(self, request: Request, tree: DraftTree, result: VerifyResult, hidden: torch.Tensor) -> None:
         self._store(request, request.num_computed_tokens, hidden)
-        self._record(request, request.num_computed_tokens, hidden)
+        self._record(request, request.num_computed_tokens, hidden.to(self.model.embed.dtype).unbind(0))
         st = self.states[request.request_id]
         st.pending = None
         last = result.path[-1]

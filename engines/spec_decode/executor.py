@@ -146,6 +146,23 @@ class SpecDecodeExecutor:
         return drafts
 
     # ---- forward results -----------------------------------------------------------------------
+    def _hidden_to_drafter(
+        self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], step: StepResult
+    ) -> None:
+        """Give the drafter the target's hidden states of every request that did not verify a tree (its
+        blocks may serve another's drafter from the prefix cache), in one call."""
+        starts = step.plan.query_start
+        plain = [b for b in range(len(scheduled)) if drafts[b] is None]
+        if len(plain) == len(scheduled):
+            hidden, row_starts = step.hidden, starts
+        else:
+            rows = [r for b in plain for r in range(starts[b], starts[b + 1])]
+            hidden = step.hidden.index_select(0, torch.tensor(rows, device=step.hidden.device))
+            row_starts = [0]
+            for b in plain:
+                row_starts.append(row_starts[-1] + starts[b + 1] - starts[b])
+        self.drafter.on_prefill([scheduled[b].request for b in plain], hidden, row_starts)
+
     def _sample_and_verify(
         self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], plan: StepPlan, step: StepResult
     ) -> list[RequestStepResult]:
@@ -155,21 +172,23 @@ class SpecDecodeExecutor:
         _mask_for_grammar(scheduled, drafts, plan, step)  # before anything reads the logits
         sampling: list[tuple[int, int]] = []  # (index in the step, its logits row)
         drafted: list[int] = []
-        hidden_hook = self.drafter is not None and self.drafter.wants_hidden
         for b, s in enumerate(scheduled):
             if drafts[b] is not None:
                 drafted.append(b)
                 continue
-            if hidden_hook:  # every request's: its blocks may serve another's drafter from the prefix cache
-                self.drafter.on_prefill(s.request, s.request.num_computed_tokens, step.seq_hidden(b))
             if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens:
                 sampling.append((b, plan.logits_start[b + 1] - 1))
+        if self.drafter is not None and self.drafter.wants_hidden and len(drafted) < len(scheduled):
+            self._hidden_to_drafter(scheduled, drafts, step)
         sampled: torch.Tensor | None = None
         if sampling:
             reqs = [scheduled[b].request for b, _ in sampling]
-            rows = torch.tensor([row for _, row in sampling], device=step.logits.device)
+            rows = [row for _, row in sampling]
+            logits = step.logits
+            if rows != list(range(logits.shape[0])):  # not every row in order (a decode step's): select them
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             sampled = sample(
-                step.logits.index_select(0, rows),
+                logits,
                 [r.params for r in reqs],
                 [r.seed for r in reqs],
                 [len(r.output_token_ids) for r in reqs],  # the output index of the token drawn

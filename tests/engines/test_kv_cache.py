@@ -35,6 +35,18 @@ def test_block_tables_grow_truncate_and_free():
     assert kv.allocator.num_free == 8 and "a" not in kv.block_tables
 
 
+def test_batch_slots_equal_each_sequences_slots_in_order():
+    kv = PagedKVCache(1, 1, 2, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    kv.allocate("a", 3)
+    kv.allocate("b", 10)
+    kv.allocate("a", 13)  # a's blocks are not consecutive: b's lie between them
+    spans = [("a", 2, 9), ("b", 9, 1), ("a", 12, 1), ("b", 0, 0), ("b", 3, 6)]
+    got = kv.batch_slots([s for s, _, _ in spans], [a for _, a, _ in spans], [n for _, _, n in spans])
+    want = torch.cat([kv.slots(s, a, a + n) for s, a, n in spans])
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert kv.batch_slots([], [], []).numel() == 0
+
+
 def depths(parents: list[int]) -> list[int]:
     out = []
     for p in parents:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -25,6 +27,14 @@ def test_text_parts_are_joined(tok):
         [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]
     )
     assert a == tok.apply_chat_template([{"role": "user", "content": "hello"}])
+
+
+def test_decode_equals_the_transformers_tokenizers_decode(tok):
+    rng = random.Random(0)
+    special = sorted(tok.hf.added_tokens_decoder)
+    for _ in range(500):  # pieces of words, bytes of characters, special tokens among them
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(tok.vocab_size) for _ in range(8)]
+        assert tok.decode(ids) == tok.hf.decode(ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("text", ["Ünïcode 世界 🎉 café — naïve", "```python\nprint('x')\n```", "  leading spaces"])
