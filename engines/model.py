@@ -327,7 +327,8 @@ class LlamaModel(nn.Module):
         if self.enforce_eager or not 0 < num_tokens <= fused_decoder.max_rows():
             return None
         if self._fused is None or self._fused[0] is not kv_cache.k:
-            fused = fused_decoder.FusedDecoder(self, kv_cache) if fused_decoder.applies(self, kv_cache) else None
+            applies = fused_decoder.applies(self, kv_cache)
+            fused = fused_decoder.FusedDecoder(self, kv_cache, final_norm=True) if applies else None
             self._fused = (kv_cache.k, fused)
         return self._fused[1]
 
@@ -341,14 +342,14 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [N] rows of T that need logits; None = all
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [N, vocab] fp32, hidden [T, hidden]
         fused = self.fused_decoder(kv_cache, input_ids.shape[0]) if meta.parents is not None else None
-        if fused is not None:
-            x = fused(self.embed_tokens(input_ids).float(), positions, meta)  # fp32 into the final norm
+        if fused is not None:  # every layer and the final norm in one call
+            hidden = fused(self.embed_tokens(input_ids).float(), positions, meta).to(self.dtype)
         else:
             x = self.embed_tokens(input_ids).to(self.compute_dtype)
             cos, sin = self.rotary(positions, kv_cache.k.dtype)
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv_cache.k[i], kv_cache.v[i], meta)
-        hidden = self.norm(x).to(self.dtype)
+            hidden = self.norm(x).to(self.dtype)
         selected = hidden if logits_indices is None else hidden[logits_indices]
         return self.compute_logits(selected), hidden
 

@@ -93,6 +93,7 @@ class _Decoder(ctypes.Structure):
         ("max_positions", _i64),
         ("num_slots", _i64),
         ("reduce", ctypes.POINTER(_Reducer)),  # NULL on one rank
+        ("final_norm", _p),  # [hidden] fp32 or NULL: the model's final norm on the last layer's output
     ]
 
 
@@ -234,10 +235,11 @@ class _Layers:
     or the cache reassigned), and until then the old tensors are held, so no pointer ever dangles."""
 
     def __init__(self, cfg: ModelConfig, rotary, layers: list[LayerWeights], cache, block_size: int,
-                 shard: Shard | None = None):  # fmt: skip
+                 shard: Shard | None = None, final_norm: torch.Tensor | None = None):  # fmt: skip
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.cfg, self.rotary, self.layers, self.cache, self.block_size = cfg, rotary, layers, cache, block_size
+        self.final_norm = final_norm  # the model's final norm weight (applied after the last layer), or None
         self.shard = shard or Shard(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         self._build()
 
@@ -246,6 +248,7 @@ class _Layers:
         the projections' quantized weights (held by the view, so their ids are not reused while it lives)."""
         r, c = self.rotary, self.cache
         ids = [r.cos.data_ptr(), r.sin.data_ptr(), c.k.data_ptr(), c.v.data_ptr()]
+        ids.append(0 if self.final_norm is None else self.final_norm.data_ptr())
         for lw in self.layers:
             ids += (lw.input_norm.data_ptr(), lw.post_attn_norm.data_ptr(), id(lw.qkv_proj.quant),
                     id(lw.o_proj.quant), id(lw.gate_up_proj.quant), id(lw.down_proj.quant),
@@ -298,6 +301,12 @@ class _Layers:
             structs.append(
                 _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr(), bias_ptr)
             )
+        final_norm = None
+        if self.final_norm is not None:
+            final_norm = _held(self.final_norm, torch.float32)
+            if final_norm.shape != (H,):
+                raise ValueError(f"the final norm's weight must be [{H}]")
+            held += [self.final_norm.detach(), final_norm]
         self._held = held
         self._layer_structs = (_Layer * len(structs))(*structs)
         segment = self.shard.segment
@@ -319,6 +328,7 @@ class _Layers:
             max_positions=cos.shape[0],
             num_slots=k.shape[1],
             reduce=None if self._reducer is None else ctypes.pointer(self._reducer),
+            final_norm=None if final_norm is None else final_norm.data_ptr(),
         )
         self._sources_at_build = sources
 
@@ -403,23 +413,27 @@ class _Layers:
 
 class FusedDecoder:
     """Every decoder layer of `model` over `kv_cache`, for up to `max_rows()` new tokens in one call (on a
-    tensor-parallel rank: this rank's shard, summed with the other ranks' inside the call)."""
+    tensor-parallel rank: this rank's shard, summed with the other ranks' inside the call), and with
+    `final_norm` the model's final norm after them (in the same call: the step's rows are still in cache,
+    where a separate operator after the call would find its own code and data evicted by the weights)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, final_norm: bool = False):
         if not applies(model, kv_cache):
             raise ValueError("the fused decoder does not apply to this model and cache (see `applies`)")
         layers = [layer_weights(layer) for layer in model.layers]
         attn, mlp = model.layers[0].attn, model.layers[0].mlp
         intermediate = sum(mlp.gate_up_proj.local_sizes) // 2
         shard = Shard(attn.num_heads, attn.num_kv_heads, intermediate, shared_segment(model.tp))
-        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size, shard)
+        norm = model.norm.weight if final_norm else None
+        self.final_norm = final_norm
+        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size, shard, norm)
 
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden] fp32 residual stream after the embedding
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden] fp32: the last layer's output, before the final norm
+    ) -> torch.Tensor:  # [T, hidden] fp32: the last layer's output (normed with `final_norm`)
         """Run every layer over the step's new tokens (K/V written to their slots)."""
         if meta.parents is None:
             raise ValueError("the fused decoder needs the step's parents (AttentionMetadata.parents)")

@@ -70,6 +70,7 @@ typedef struct {
     const Layer *layers;
     int64_t max_positions, num_slots; /* rows of cos and sin; slots of each layer's cache */
     const Reducer *reduce; /* a tensor-parallel rank's sums (intermediate and heads are this rank's); NULL: one rank */
+    const float *final_norm; /* [hidden] fp32: the model's final norm, applied to the last layer's output; NULL: none */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -518,8 +519,8 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
     return 0;
 }
 
-/* x [T, hidden] fp32, the residual stream after the embedding, becomes the last layer's output (before the
- * final norm); every layer's K/V of the new tokens are written to their slots. Returns 0, -1 when out of
+/* x [T, hidden] fp32, the residual stream after the embedding, becomes the last layer's output (normed by
+ * the final norm where the decoder has one); every layer's K/V of the new tokens are written to their slots. Returns 0, -1 when out of
  * memory, or check_batch's code for a batch that indexes outside its tables (x and the cache are then
  * unchanged). */
 int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
@@ -565,7 +566,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 key_counts[t] = key_row[t] < 0 ? 0 : token_keys(m, b, t, key_slots + key_row[t] * most_keys);
-            for (int64_t l = 0; l < m->num_layers; l++) {
+            int64_t l = 0;
+            for (; l < m->num_layers; l++) {
                 const Layer *layer = &m->layers[l];
                 rms_norm(x, layer->input_norm, T, H, m->eps, h);
                 quantize_rows(h, T, H, &a);
@@ -647,6 +649,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 add_rows(x, h, T, H);
                 MARK(PHASE_DOWN)
             }
+            if (l == m->num_layers && m->final_norm) rms_norm(x, m->final_norm, T, H, m->eps, x); /* row by row: in place */
         }
     }
     free_runs(&runs);

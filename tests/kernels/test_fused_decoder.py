@@ -160,6 +160,29 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
             assert torch.equal(got[layer][rest], want[layer][rest])
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_the_final_norm_in_the_call_is_the_models_final_norm(model_dtype):
+    """With `final_norm` the call's rows are the model's final norm of the layers' output (as `LlamaModel.
+    forward` applies it after the eager layers), to fp32 rounding, and the K/V it writes are the same."""
+    model = tiny_model(layout=LAYOUTS[0])
+    with torch.no_grad():
+        model.norm.weight.copy_(torch.rand_like(model.norm.weight) + 0.5)
+        model.norm.weight.data = model.norm.weight.data.to(model_dtype)
+    caches = [PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu") for _ in range(2)]
+    seqs = ragged_batch(caches[0])  # with its cached context's K/V
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    positions = positions_of(seqs)
+    x = torch.randn(len(positions), 160)
+    plain = fused_decoder.FusedDecoder(model, caches[0])(x.clone(), positions, meta)
+    normed = fused_decoder.FusedDecoder(model, caches[1], final_norm=True)(x.clone(), positions, meta)
+    want = model.norm(plain)
+    assert normed.dtype == torch.float32 and not torch.equal(normed, plain)
+    assert (normed - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_row_does_not_depend_on_its_batch(layout):
     """A tree node's output equals decoding its path token by token, and a decode row alone equals the
