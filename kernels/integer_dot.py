@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c", "argmax.c")
+)
 HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
 # No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined
 # copy of a row's code, and a row's result would then depend on how many rows it was computed with.
@@ -103,6 +105,8 @@ def _library() -> ctypes.CDLL | None:
     lib.vnni_gemm.restype = None
     lib.vnni_supported.argtypes = []
     lib.vnni_supported.restype = i32
+    lib.row_argmax.argtypes = [p, i64, i64, p, i32]
+    lib.row_argmax.restype = None
     lib.amx_configure.argtypes = [i32]
     lib.amx_configure.restype = i32
     lib.amx_active.argtypes = []
@@ -121,6 +125,21 @@ def library() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the kernel runs on this machine (compiling it on the first call)."""
     return _library() is not None
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index of its largest value over the last dimension, as torch.argmax gives it (the first
+    on ties, the first NaN where there is one), [rows] int64; None where the kernel does not take these
+    values (not a contiguous fp32 CPU tensor, or no kernel on this machine)."""
+    if values.dtype != torch.float32 or values.device.type != "cpu" or not values.is_contiguous() or values.dim() < 1:
+        return None
+    lib = _library()
+    if lib is None or values.shape[-1] == 0:
+        return None
+    out = torch.empty(values.shape[:-1], dtype=torch.int64)
+    rows = out.numel()
+    lib.row_argmax(values.data_ptr(), rows, values.shape[-1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines.sampling import SamplingParams, processed_logprobs, sample, vocab_argmax
+from kernels import integer_dot
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -140,3 +141,24 @@ def test_vocab_argmax_is_argmax_with_its_ties_and_nans():
     for values in (rows, rows.bfloat16(), rows[:, :5]):
         assert torch.equal(vocab_argmax(values), values.argmax(-1))
     assert vocab_argmax(rows).tolist()[:4] == [7, 100, 3, 0]
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 31, 32, 33, 40, 8192, 49152])
+def test_the_argmax_kernel_is_argmax_at_every_width(width):
+    """Contiguous fp32 rows take the C kernel (where the machine has it): rows of integers full of ties,
+    rows of infinities, signed zeros and NaNs in the vector part and in the tail."""
+    g = torch.Generator().manual_seed(width)
+    rows = torch.randint(-3, 3, (16, width), generator=g).float()
+    rows[1] = float("-inf")
+    rows[2, width // 2] = float("inf")
+    rows[3] = -0.0
+    rows[3, width - 1] = 0.0
+    rows[4, width - 1] = float("nan")
+    rows[5, width // 3] = float("nan")
+    rows[5, width - 1] = float("nan")
+    rows[6] = float("-inf")
+    rows[6, width - 1] = float("nan")
+    if integer_dot.available():
+        assert integer_dot.row_argmax(rows) is not None
+    assert torch.equal(vocab_argmax(rows), rows.argmax(-1))
+    assert torch.equal(vocab_argmax(rows[0]), rows[0].argmax(-1))  # one row, no batch dimension
