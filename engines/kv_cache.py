@@ -244,9 +244,7 @@ class PagedKVCache:
 
     def slots(self, seq_id: str, start: int, end: int) -> torch.Tensor:
         """Flat slots of the sequence's cache indices [start, end), as a CPU int64 tensor."""
-        from engines.attention import sequence_slots
-
-        return sequence_slots(self.block_tables[seq_id], self.block_size, start, end)
+        return self.batch_slots([seq_id], [start], [end - start])
 
     def batch_slots(self, seq_ids: list[str], starts: list[int], lengths: list[int]) -> torch.Tensor:
         """Flat slots of cache indices starts[b] .. starts[b] + lengths[b] of each sequence, concatenated
