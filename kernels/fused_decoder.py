@@ -15,9 +15,11 @@ two all-reduces a layer there itself), with an fp32 or bf16 cache, head_dim a mu
 at most 16 query heads per KV head; the model runs larger steps (`max_rows`) and every other configuration
 through its eager layers.
 
-On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections go 16 rows
-per tile product (the same numbers as csrc/vnni.c's), and in a bf16 cache a sequence's prompt tokens
-(`AttentionMetadata.prompt_tokens`: never a draft tree's or a generated token's) attend 16 queries at a time
+On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections of other rows
+go 16 rows per tile product (the same numbers as csrc/vnni.c's); in a bf16 cache a sequence's prompt tokens
+(`AttentionMetadata.prompt_tokens`: never a draft tree's or a generated token's) enter the projections as
+bf16 rows against the weights dequantized to bf16 (fp32 sums over the whole row: more accurate than int8
+blocks, `PROMPT_BF16`), and attend 16 queries at a time
 over their keys, flash-style, with Q, K, P and V in bf16 and fp32 softmax and sums (the eager layers'
 precision). Each prompt token's attention is computed the same way however the prompt is cut into chunks
 (and whatever else is in the batch), as each generated token's is by the one-by-one path: so a prompt read
@@ -30,6 +32,7 @@ token accepted at depth d still gives exactly what decoding it gives.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +54,9 @@ if TYPE_CHECKING:
 MAX_ROWS = 64
 MANY_ROWS = 16384  # rows of one call with AMX (whole prompt chunks)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# Prompt tokens' projections in bf16 tiles on AMX CPUs (amx.c's amx_bf16_blocks over the weights dequantized a
+# panel at a time); off (`LYANNA_PROMPT_BF16=0`), they go through the int8 blocks that decoding uses.
+PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "1") != "0"
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -94,6 +100,7 @@ class _Decoder(ctypes.Structure):
         ("num_slots", _i64),
         ("reduce", ctypes.POINTER(_Reducer)),  # NULL on one rank
         ("final_norm", _p),  # [hidden] fp32 or NULL: the model's final norm on the last layer's output
+        ("prompt_bf16", _i64),  # 1: prompt runs' projections in bf16 tiles (AMX)
     ]
 
 
@@ -235,11 +242,13 @@ class _Layers:
     or the cache reassigned), and until then the old tensors are held, so no pointer ever dangles."""
 
     def __init__(self, cfg: ModelConfig, rotary, layers: list[LayerWeights], cache, block_size: int,
-                 shard: Shard | None = None, final_norm: torch.Tensor | None = None):  # fmt: skip
+                 shard: Shard | None = None, final_norm: torch.Tensor | None = None,
+                 prompt_bf16: bool = False):  # fmt: skip
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.cfg, self.rotary, self.layers, self.cache, self.block_size = cfg, rotary, layers, cache, block_size
         self.final_norm = final_norm  # the model's final norm weight (applied after the last layer), or None
+        self.prompt_bf16 = prompt_bf16
         self.shard = shard or Shard(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         self._build()
 
@@ -329,6 +338,7 @@ class _Layers:
             num_slots=k.shape[1],
             reduce=None if self._reducer is None else ctypes.pointer(self._reducer),
             final_norm=None if final_norm is None else final_norm.data_ptr(),
+            prompt_bf16=int(self.prompt_bf16),
         )
         self._sources_at_build = sources
 
@@ -417,7 +427,8 @@ class FusedDecoder:
     `final_norm` the model's final norm after them (in the same call: the step's rows are still in cache,
     where a separate operator after the call would find its own code and data evicted by the weights)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, final_norm: bool = False):
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, final_norm: bool = False,
+                 prompt_bf16: bool | None = None):  # fmt: skip
         if not applies(model, kv_cache):
             raise ValueError("the fused decoder does not apply to this model and cache (see `applies`)")
         layers = [layer_weights(layer) for layer in model.layers]
@@ -426,7 +437,8 @@ class FusedDecoder:
         shard = Shard(attn.num_heads, attn.num_kv_heads, intermediate, shared_segment(model.tp))
         norm = model.norm.weight if final_norm else None
         self.final_norm = final_norm
-        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size, shard, norm)
+        prompt_bf16 = PROMPT_BF16 if prompt_bf16 is None else prompt_bf16
+        self._layers = _Layers(model.cfg, model.rotary, layers, kv_cache, kv_cache.block_size, shard, norm, prompt_bf16)
 
     def __call__(
         self,

@@ -1,6 +1,6 @@
 """How much each weight setting changes the model: held-out ShareGPT answers scored token by token.
 
-    python -m engines.bench.quality --num 32 --settings none,int8,int4,gguf [--kernels torch]
+    python -m engines.bench.quality --num 32 --settings none,int8,int4,gguf [--kernels torch] [--numerics prompt]
 
 For each validation-split conversation (the first user turn and the assistant's answer, rendered with
 the chat template, capped at `--max-tokens`), every setting computes the log-likelihood of each answer
@@ -52,11 +52,14 @@ def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> lis
 
 
 @torch.inference_mode()
-def answer_logprobs(model: LlamaModel, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logprobs(
+    model: LlamaModel, tokens: list[int], start: int, as_prompt: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-likelihoods of tokens[start:] given their prefixes ([n] fp32), and the argmax before each. The
     conversation is read in chunks of `fused_decoder.MAX_ROWS` tokens, the steps a decode or a verified
     draft takes (on the fused CPU decoder a row's result does not depend on its chunk, so each token is
-    scored exactly as decoding it would compute it)."""
+    scored exactly as decoding it would compute it), or, `as_prompt`, as prompt tokens (the numerics a
+    prompt is read with: on AMX CPUs bf16 projections and attention runs)."""
     cfg, n, block = model.cfg, len(tokens), 16
     kv_dtype = torch.float32 if model.compute_dtype == torch.float32 else model.dtype
     kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, kv_dtype, "cpu")
@@ -64,7 +67,8 @@ def answer_logprobs(model: LlamaModel, tokens: list[int], start: int) -> tuple[t
     logits = []
     for first in range(0, n - 1, fused_decoder.MAX_ROWS):
         end = min(first + fused_decoder.MAX_ROWS, n - 1)
-        meta = build_attention_metadata([SequenceLayout(kv.block_tables["x"], first, end - first)], block, "cpu")
+        layout = SequenceLayout(kv.block_tables["x"], first, end - first, num_prompt=end - first if as_prompt else 0)
+        meta = build_attention_metadata([layout], block, "cpu")
         rows = torch.arange(min(max(first, start - 1), end), end) - first
         out, _ = model(torch.tensor(tokens[first:end]), torch.arange(first, end), meta, kv, rows)
         logits.append(out)
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--num", type=int, default=32, help="validation conversations")
     ap.add_argument("--max-tokens", type=int, default=512, help="tokens per conversation at most")
     ap.add_argument("--settings", default="none,int8,int4,gguf", help="quantization settings to score (bf16)")
+    ap.add_argument("--numerics", choices=["decode", "prompt"], default="decode",
+                    help="score every token as decoding computes it, or as a prompt's token is read")  # fmt: skip
     args = ap.parse_args(argv)
     set_kernel_mode(args.kernels)
     reference = load_model(args.model, "float32", "cpu", quantization="none")
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "answer_tokens": int(ref_ll.numel()),
         "reference": {"setting": "fp32, dequantized", "mean_loglik": float(ref_ll.mean())},
         "kernels": args.kernels,
+        "numerics": args.numerics,
         "settings": {},
     }
     for setting in args.settings.split(","):
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
             loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
         decode_numerics(loaded.model)
-        got = [answer_logprobs(loaded.model, t, s) for t, s in convs]
+        got = [answer_logprobs(loaded.model, t, s, args.numerics == "prompt") for t, s in convs]
         ll = torch.cat([lp for lp, _ in got])
         agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
         result["settings"][setting] = {

@@ -8,6 +8,14 @@
  * operations and order, so a row's output does not depend on whether it went through a tile or vnni.c.
  * Rows past the last whole tile of 16 go through vnni.c.
  *
+ * Prompt rows' projections in bf16 (amx_bf16_weights, amx_bf16_blocks): the per-group rescale above costs
+ * several vector operations per tile product, so a long prompt ran the tiles at a fraction of their rate.
+ * Prompt tokens instead enter as bf16 rows (amx_bf16_row, amx_swiglu_row: 16-row tiles laid out per group of
+ * 32 inputs) against the weight dequantized to bf16 a panel of blocks at a time (code * d + m, rounded to
+ * nearest even; a panel of ~1 MiB stays in L2 while every pair of row tiles passes over it), with fp32 sums
+ * over the whole row in the tiles (TDPBF16PS): more accurate than int8 activation blocks. Which rows take
+ * this path is decided by what they are (decoder.c), so each row's result still does not depend on its batch.
+ *
  * Attention of a causal run of new tokens (a prefill chunk) over its paged keys (amx_attend_run):
  * flash-style, 16 queries of one head at a time against 64 keys at a time, with an online softmax in
  * fp32. Q, K, P and V enter the tile products in bf16 (as PyTorch's CPU flash attention does for a bf16
@@ -202,6 +210,141 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
                     out + whole * n, b0, b1);
 }
 
+/* Weight blocks [b0, b1) of an interleaved weight (vnni.c's layout) as bf16 tiles for amx_bf16_blocks: wb holds,
+ * per block and group of 32 inputs, [16 input pairs][16 outputs][2] bf16 (TDPBF16PS's B layout), each value
+ * code * d + m rounded to nearest even. In vnni.c's layout each 4-input step of a block is 16 dwords, dword r
+ * holding inputs 4s .. 4s + 3 of output row r: its bytes 0-1 are tile row 2s, bytes 2-3 tile row 2s + 1. */
+AMX_FN void amx_bf16_weights(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t k, int64_t b0,
+                             int64_t b1, uint16_t *wb) {
+    const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8;
+    const __m512i low = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *w = codes + b * block_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (b * groups + g) * 16)));
+            const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + (b * groups + g) * 16)));
+            uint16_t *tile = wb + ((b - b0) * groups + g) * 512;
+            for (int s = 0; s < 8; s++) {
+                __m512i step;
+                if (bits == 4) { /* steps 2p and 2p + 1: the low and high nibbles of the group's 64 bytes p */
+                    const __m512i packed = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * (s / 2)));
+                    step = s % 2 ? _mm512_and_si512(_mm512_srli_epi16(packed, 4), low) : _mm512_and_si512(packed, low);
+                } else {
+                    step = _mm512_loadu_si512((const void *)(w + g * 512 + 64 * s));
+                }
+                __m512 v[4];
+                for (int i = 0; i < 4; i++) {
+                    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(step, 8 * i), byte);
+                    v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, minimum);
+                }
+                _mm512_store_si512((void *)(tile + 64 * s), _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0])));
+                _mm512_store_si512((void *)(tile + 64 * s + 32),
+                                   _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2])));
+            }
+        }
+    }
+}
+
+/* Row t of x [.., k] fp32 rounded to bf16 (to nearest even) into the tile layout amx_bf16_blocks reads: per 16
+ * rows and group of 32 inputs, a [16 rows][32] tile of 1 KiB (row t, group g at xb + (t / 16) 16 k + 512 g +
+ * 32 (t % 16)). */
+AMX_FN void amx_bf16_row(const float *x, int64_t k, int64_t t, uint16_t *xb) {
+    uint16_t *row = xb + (t / 16) * 16 * k + (t % 16) * 32;
+    for (int64_t g = 0; g < k / GROUP; g++)
+        _mm512_store_si512((void *)(row + 512 * g),
+                           (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * g + 16), _mm512_loadu_ps(x + 32 * g)));
+}
+
+/* 2^x, about 1.3 ulp (a minimax polynomial on [-0.5, 0.5]); x = -inf gives NaN, which callers mask to 0. */
+static inline AMX_FN __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.326697994954884e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675469249486923e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550742521882057e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212172746658e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Row t of SwiGLU(gate, up) = gate sigmoid(gate) up (gate_up: the row's gate then up, inter values each) in
+ * amx_bf16_row's layout, from fp32 sums (sigmoid through 2^x and a refined reciprocal: about fp32's accuracy
+ * before the rounding to bf16). */
+AMX_FN void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb) {
+    uint16_t *row = xb + (t / 16) * 16 * inter + (t % 16) * 32;
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), minus_log2e = _mm512_set1_ps(-1.44269504088896341f);
+    for (int64_t g = 0; g < inter / GROUP; g++) {
+        __m512 y[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512 gate = _mm512_loadu_ps(gate_up + 32 * g + 16 * h), up = _mm512_loadu_ps(gate_up + inter + 32 * g + 16 * h);
+            const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(gate, minus_log2e), _mm512_set1_ps(-150.0f)),
+                                           _mm512_set1_ps(126.0f)); /* 1 + 2^x stays finite */
+            const __m512 d = _mm512_add_ps(one, exp2_16(x)); /* 1 + e^-gate */
+            __m512 inv = _mm512_rcp14_ps(d);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two)); /* one Newton step */
+            y[h] = _mm512_mul_ps(_mm512_mul_ps(gate, inv), up);
+        }
+        _mm512_store_si512((void *)(row + 512 * g), (__m512i)_mm512_cvtne2ps_pbh(y[1], y[0]));
+    }
+}
+
+/* Rows [r0, r1) of out [.., n] fp32, blocks [b0, b1) = x @ W.T for bf16 activations x in amx_bf16_row's layout
+ * (whole tiles of 16 rows are read from r0 / 16: rows outside [r0, r1) are computed and dropped, and must be
+ * readable up to a whole pair of tiles) and the blocks' bf16 tiles wb (amx_bf16_weights). Sums are fp32 in the
+ * tiles over all of k; each row's result depends on its own activations only. Two tiles of rows at a time
+ * (in L1) against every pair of blocks (wb, which should fit in L2). */
+AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1,
+                            float *out, int64_t b0, int64_t b1) {
+    const int64_t groups = k / GROUP;
+    float part[4][16][16] __attribute__((aligned(64)));
+    config_bf16();
+    for (int64_t t0 = r0 / 16 * 16; t0 < r1; t0 += 32) {
+        const uint16_t *x0 = x + t0 * k, *x1 = x0 + 16 * k;
+        const int whole = t0 >= r0 && t0 + 32 <= r1;
+        for (int64_t b = b0; b < b1; b += 2) {
+            const int two = b + 1 < b1;
+            const uint16_t *w0 = wb + (b - b0) * groups * 512, *w1 = w0 + groups * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_loadd(4, x0 + g * 512, 64);
+                _tile_loadd(6, w0 + g * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, x1 + g * 512, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, w1 + g * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            if (whole) {
+                _tile_stored(0, out + t0 * n + 16 * b, 4 * n);
+                _tile_stored(2, out + (t0 + 16) * n + 16 * b, 4 * n);
+                if (two) {
+                    _tile_stored(1, out + t0 * n + 16 * (b + 1), 4 * n);
+                    _tile_stored(3, out + (t0 + 16) * n + 16 * (b + 1), 4 * n);
+                }
+                continue;
+            }
+            _tile_stored(0, part[0], 64);
+            _tile_stored(1, part[1], 64);
+            _tile_stored(2, part[2], 64);
+            _tile_stored(3, part[3], 64);
+            for (int64_t r = 0; r < 32; r++)
+                if (t0 + r >= r0 && t0 + r < r1)
+                    for (int j = 0; j <= two; j++)
+                        memcpy(out + (t0 + r) * n + 16 * (b + j), part[2 * (r / 16) + j][r % 16], 64);
+        }
+    }
+    _tile_release();
+}
+
 /* r [16 rows][16 x 32 bits] becomes its transpose (a, b: scratch). */
 static inline AMX_FN __attribute__((always_inline)) void transpose16(__m512i *r, __m512i *a, __m512i *b) {
     for (int k = 0; k < 8; k++) {
@@ -254,19 +397,6 @@ AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int6
             }
         }
     }
-}
-
-/* 2^x, about 1.3 ulp (a minimax polynomial on [-0.5, 0.5]); x = -inf gives NaN, which callers mask to 0. */
-static inline AMX_FN __m512 exp2_16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.326697994954884e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675469249486923e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550742521882057e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212172746658e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* S^T of key tile kt + T (16 keys x 16 queries): K rows (A: tile K) times Q^T (B: tile 4). */
@@ -431,6 +561,18 @@ int amx_configure(int want) {
 void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                 const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1) {
     vnni_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+}
+void amx_bf16_weights(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t k, int64_t b0,
+                      int64_t b1, uint16_t *wb) {
+    (void)codes, (void)d, (void)m, (void)bits, (void)k, (void)b0, (void)b1, (void)wb;
+}
+void amx_bf16_row(const float *x, int64_t k, int64_t t, uint16_t *xb) { (void)x, (void)k, (void)t, (void)xb; }
+void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb) {
+    (void)gate_up, (void)inter, (void)t, (void)xb;
+}
+void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, float *out,
+                     int64_t b0, int64_t b1) {
+    (void)wb, (void)n, (void)k, (void)x, (void)r0, (void)r1, (void)out, (void)b0, (void)b1;
 }
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {

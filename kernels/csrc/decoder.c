@@ -71,6 +71,7 @@ typedef struct {
     int64_t max_positions, num_slots; /* rows of cos and sin; slots of each layer's cache */
     const Reducer *reduce; /* a tensor-parallel rank's sums (intermediate and heads are this rank's); NULL: one rank */
     const float *final_norm; /* [hidden] fp32: the model's final norm, applied to the last layer's output; NULL: none */
+    int64_t prompt_bf16;     /* 1: prompt runs' projections in bf16 tiles where AMX runs (amx_bf16_blocks) */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -93,21 +94,66 @@ typedef struct {
     float *dx, *sx;
 } Blocks;
 
-static void quantize_rows(const float *x, int64_t rows, int64_t k, Blocks *a) {
+/* How a step's rows enter the projections: as int8 blocks (every row, unless bf16 rows are marked), or, for
+ * prompt runs on AMX CPUs (Decoder.prompt_bf16), in bf16 (amx_bf16_blocks). Each row takes one of the two
+ * paths by what it is (a prompt token or not), never by what else is in the step, so its output does not
+ * depend on its batch. Rows are cut into segments of consecutive rows of one kind. */
+typedef struct {
+    int64_t count;           /* segments */
+    int64_t *start, *length; /* [count] */
+    uint8_t *bf16;           /* [count] 1: the segment's rows go in bf16 */
+    uint8_t *row_bf16;       /* [T] */
+    uint16_t *xb;            /* [T rounded up to 16, + 32][widest] bf16 rows (amx_bf16_row); NULL: every row is int8 */
+    uint16_t *wb;            /* per thread, wb_size values: a panel of weight blocks as bf16 tiles (amx_bf16_weights) */
+    int64_t wb_size;
+} Rows;
+
+/* x [rows, k] as the projections take it: int8 blocks in `a`, and bf16 rows in r->xb. */
+static void prepare_rows(const float *x, int64_t rows, int64_t k, Blocks *a, const Rows *r) {
     const int64_t groups = k / GROUP;
+    if (!r->xb) {
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < rows * groups; b++) quantize_block(x + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+        for (int64_t b = 0; b < rows * groups; b++) quantize_block(x + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        if (r->row_bf16[t]) {
+            amx_bf16_row(x + t * k, k, t, r->xb);
+            continue;
+        }
+        for (int64_t b = t * groups; b < (t + 1) * groups; b++)
+            quantize_block(x + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+    }
 }
 
 /* out [rows, n] fp32 = activations @ W.T, output rows split across the team (ends with a barrier). */
-static void project(const QWeight *w, const Blocks *a, int64_t rows, float *out) {
+static void project(const QWeight *w, const Blocks *a, const Rows *r, int64_t rows, float *out) {
     const int64_t groups = w->k / GROUP, k = w->k, n = w->n;
     if (w->interleaved) {
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads(), blocks = n / 16;
-        /* amx.c computes the same numbers as vnni.c, 16 rows per tile product */
-        (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, (int)w->bits, n, k, a->xq,
-                                                                a->dx, a->sx, rows, out, blocks * t / teams,
-                                                                blocks * (t + 1) / teams);
+        const int64_t b0 = blocks * t / teams, b1 = blocks * (t + 1) / teams;
+        const int bits = (int)w->bits;
+        if (!r->xb) { /* amx.c computes the same numbers as vnni.c, 16 rows per tile product */
+            (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq, a->dx,
+                                                                    a->sx, rows, out, b0, b1);
+        } else {
+            uint16_t *wb = r->wb + t * r->wb_size;
+            const int64_t most = r->wb_size / (groups * 512) / 2 * 2; /* blocks of a panel (even, >= 2) */
+            for (int64_t c0 = b0; c0 < b1; c0 += most) { /* a panel of blocks at a time, dequantized into L2 */
+                const int64_t c1 = c0 + most < b1 ? c0 + most : b1;
+                amx_bf16_weights(w->codes, w->scales, w->mins, bits, k, c0, c1, wb);
+                for (int64_t s = 0; s < r->count; s++) {
+                    const int64_t at = r->start[s], length = r->length[s];
+                    if (r->bf16[s])
+                        amx_bf16_blocks(wb, n, k, r->xb, at, at + length, out, c0, c1);
+                    else
+                        (length >= 16 ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq + at * k,
+                                                                  a->dx + at * groups, a->sx + at * groups, length,
+                                                                  out + at * n, c0, c1);
+                }
+            }
+        }
 #pragma omp barrier
         return;
     }
@@ -292,23 +338,35 @@ static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *
 }
 
 /* silu(gate) * up for each row of gate_up [T, 2 I] (gate first) into act [T, I]. */
-static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act) {
+static void swiglu_row(const float *gate_up, int64_t inter, float *out) {
+    const float *gate = gate_up, *up = gate + inter;
+    for (int64_t i = 0; i < inter; i += 8) {
+        const int64_t left = inter - i;
+        const __m256 g = left >= 8 ? _mm256_loadu_ps(gate + i) : load_partial(gate + i, left, 0.0f);
+        const __m256 u = left >= 8 ? _mm256_loadu_ps(up + i) : load_partial(up + i, left, 0.0f);
+        const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                         _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+        if (left >= 8)
+            _mm256_storeu_ps(out + i, y);
+        else
+            store_partial(out + i, left, y);
+    }
+}
+
+/* SwiGLU of gate_up [rows, 2 inter] (gate, up) as the down projection takes it (prepare_rows): int8 rows
+ * through act [rows, inter] fp32 into int8 blocks, bf16 rows straight into their tiles (amx_swiglu_row). */
+static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act, Blocks *a, const Rows *r) {
+    const int64_t groups = inter / GROUP;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
-        float *out = act + t * inter;
-        for (int64_t i = 0; i < inter; i += 8) {
-            const int64_t left = inter - i;
-            const __m256 g = left >= 8 ? _mm256_loadu_ps(gate + i) : load_partial(gate + i, left, 0.0f);
-            const __m256 u = left >= 8 ? _mm256_loadu_ps(up + i) : load_partial(up + i, left, 0.0f);
-            const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
-                                             _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            const __m256 y = _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
-            if (left >= 8)
-                _mm256_storeu_ps(out + i, y);
-            else
-                store_partial(out + i, left, y);
+        if (r->xb && r->row_bf16[t]) {
+            amx_swiglu_row(gate_up + t * 2 * inter, inter, t, r->xb);
+            continue;
         }
+        swiglu_row(gate_up + t * 2 * inter, inter, act + t * inter);
+        for (int64_t b = t * groups; b < (t + 1) * groups; b++)
+            quantize_block(act + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
     }
 }
 
@@ -511,11 +569,69 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
         for (int64_t j = 0; j < in_run; j++) r->slots[at + cached + j] = b->slots[first + j];
         for (int64_t h = 0; h < Hk; h++)
             for (int64_t k0 = 0; k0 < n_pad; k0 += PACK_KEYS) r->pack[p][0] = i, r->pack[p][1] = h, r->pack[p++][2] = k0;
-        for (int64_t i0 = 0; i0 < in_run; i0 += 16) /* the longest (latest) tiles first: they end the layer last */
-            for (int64_t h = 0; h < Hk; h++)
+        /* one KV head at a time (the team shares its keys in cache), the longest (latest) tiles first: they
+         * would end the layer last */
+        for (int64_t h = 0; h < Hk; h++)
+            for (int64_t i0 = 0; i0 < in_run; i0 += 16)
                 r->attend[a][0] = i, r->attend[a][1] = h, r->attend[a++][2] = (in_run - 1) / 16 * 16 - i0;
         at += n, buf += n_pad * Hk * D, i++;
     }
+    return 0;
+}
+
+#define PANEL_VALUES (512 * 1024) /* bf16 weight values dequantized at a time per thread (1 MiB: in L2) */
+
+static void free_rows(Rows *r) {
+    free(r->start);
+    free(r->length);
+    free(r->bf16);
+    free(r->row_bf16);
+    free(r->xb);
+    free(r->wb);
+}
+
+/* Whether every projection of the decoder's layers is interleaved (vnni.c's layout, which amx_bf16_weights reads). */
+static int all_interleaved(const Decoder *m) {
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const Layer *y = &m->layers[l];
+        if (!y->qkv.interleaved || !y->o.interleaved || !y->gate_up.interleaved || !y->down.interleaved) return 0;
+    }
+    return 1;
+}
+
+/* The batch's rows for the projections (Rows): prompt runs in bf16 where the decoder asks for it and the tiles
+ * run; returns 0, or -1 when out of memory. */
+static int plan_rows(const Decoder *m, const Batch *b, int threads, int64_t widest, Rows *r) {
+    memset(r, 0, sizeof *r);
+    const int64_t T = b->num_tokens, B = b->num_seqs;
+    int64_t marked = 0;
+    if (!m->prompt_bf16 || !amx_active() || !b->runs || m->num_layers == 0 || !all_interleaved(m)) return 0;
+    for (int64_t s = 0; s < B; s++) marked += b->runs[s];
+    if (marked == 0) return 0;
+    r->row_bf16 = calloc((size_t)T, 1);
+    r->start = malloc(sizeof(int64_t) * (2 * B + 1)), r->length = malloc(sizeof(int64_t) * (2 * B + 1));
+    r->bf16 = malloc(2 * B + 1);
+    if (!r->row_bf16 || !r->start || !r->length || !r->bf16) return -1;
+    for (int64_t s = 0; s < B; s++)
+        memset(r->row_bf16 + b->query_start[s], 1, (size_t)b->runs[s]);
+    for (int64_t t = 0; t < T; t++) {
+        if (r->count && r->bf16[r->count - 1] == r->row_bf16[t]) {
+            r->length[r->count - 1]++;
+            continue;
+        }
+        r->start[r->count] = t, r->length[r->count] = 1, r->bf16[r->count++] = r->row_bf16[t];
+    }
+    /* tiles past T's up to a whole pair are read (and their results dropped): zeros */
+    const size_t xb_bytes = sizeof(uint16_t) * (size_t)(((T + 15) / 16 * 16 + 32) * widest);
+    r->xb = aligned_alloc(64, xb_bytes);
+    int64_t widest_k = 0; /* a panel holds at least two blocks */
+    const Layer *y = &m->layers[0];
+    const QWeight *ws[4] = {&y->qkv, &y->o, &y->gate_up, &y->down};
+    for (int i = 0; i < 4; i++) widest_k = ws[i]->k > widest_k ? ws[i]->k : widest_k;
+    r->wb_size = PANEL_VALUES > 2 * widest_k * 16 ? PANEL_VALUES : 2 * widest_k * 16;
+    r->wb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(r->wb_size * threads));
+    if (!r->xb || !r->wb) return -1;
+    memset(r->xb, 0, xb_bytes);
     return 0;
 }
 
@@ -540,6 +656,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
         }
     Runs runs;
     const int runs_failed = plan_runs(m, b, threads, &runs);
+    Rows row_plan;
+    const int rows_failed = plan_rows(m, b, threads, widest, &row_plan);
     float *h = malloc(sizeof(float) * T * H);                                   /* norms, o and down outputs */
     float *wide = malloc(sizeof(float) * T * (qkv_width > 2 * I ? qkv_width : 2 * I)); /* qkv, gate_up */
     float *act = malloc(sizeof(float) * T * widest);                            /* attention, SwiGLU */
@@ -554,7 +672,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     uint16_t *lay_k = aligned_alloc(64, lay_bytes), *lay_v = aligned_alloc(64, lay_bytes);
     float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
-    const int failed = runs_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
+    const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
                        !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt;
     int reduce_status = 0;
     int64_t late_rank = 0;
@@ -570,9 +688,9 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
             for (; l < m->num_layers; l++) {
                 const Layer *layer = &m->layers[l];
                 rms_norm(x, layer->input_norm, T, H, m->eps, h);
-                quantize_rows(h, T, H, &a);
+                prepare_rows(h, T, H, &a, &row_plan);
                 MARK(PHASE_NORM)
-                project(&layer->qkv, &a, T, wide);
+                project(&layer->qkv, &a, &row_plan, T, wide);
                 MARK(PHASE_QKV)
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) { /* bias, RoPE on the q and k heads, then K/V to the token's slot */
@@ -631,20 +749,19 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                            act + t * q_width + kv_head * group * D);
                 }
                 MARK(PHASE_ATTEND)
-                quantize_rows(act, T, q_width, &a);
-                project(&layer->o, &a, T, h);
+                prepare_rows(act, T, q_width, &a, &row_plan);
+                project(&layer->o, &a, &row_plan, T, h);
                 if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
                 MARK(PHASE_O)
                 rms_norm(x, layer->post_norm, T, H, m->eps, h);
-                quantize_rows(h, T, H, &a);
+                prepare_rows(h, T, H, &a, &row_plan);
                 MARK(PHASE_MLP_IN)
-                project(&layer->gate_up, &a, T, wide);
+                project(&layer->gate_up, &a, &row_plan, T, wide);
                 MARK(PHASE_GATE_UP)
-                swiglu(wide, T, I, act);
-                quantize_rows(act, T, I, &a);
+                swiglu(wide, T, I, act, &a, &row_plan);
                 MARK(PHASE_SWIGLU)
-                project(&layer->down, &a, T, h);
+                project(&layer->down, &a, &row_plan, T, h);
                 if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
                 MARK(PHASE_DOWN)
@@ -653,6 +770,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
         }
     }
     free_runs(&runs);
+    free_rows(&row_plan);
     free(key_row);
     free(h);
     free(wide);

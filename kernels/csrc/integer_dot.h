@@ -174,6 +174,12 @@ int amx_configure(int want);
 int amx_active(void);
 void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                 const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
+void amx_bf16_weights(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t k, int64_t b0,
+                      int64_t b1, uint16_t *wb);
+void amx_bf16_row(const float *x, int64_t k, int64_t t, uint16_t *xb);
+void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb);
+void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, float *out,
+                     int64_t b0, int64_t b1);
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,

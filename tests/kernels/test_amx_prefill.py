@@ -45,8 +45,8 @@ def test_many_row_projections_equal_the_vnni_kernel_bit_for_bit(kind, amx_off_af
             assert torch.equal(a, b)
 
 
-def model64(seed: int = 0) -> LlamaModel:
-    """A random bf16 Llama with heads of 64 (6 query / 2 KV heads) and int4 weights in the default layout."""
+def model64(seed: int = 0, kind: str = "int4") -> LlamaModel:
+    """A random bf16 Llama with heads of 64 (6 query / 2 KV heads) and `kind` weights in the default layout."""
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=512, num_layers=2, num_heads=6,
                       num_kv_heads=2, head_dim=64)  # fmt: skip
@@ -57,7 +57,7 @@ def model64(seed: int = 0) -> LlamaModel:
         layer.input_norm.weight.data.uniform_(0.5, 1.5)
         layer.post_attn_norm.weight.data.uniform_(0.5, 1.5)
         for lin in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            lin.quantize("int4")
+            lin.quantize(kind)
     return model
 
 
@@ -124,14 +124,19 @@ def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_o
     step = SequenceLayout(kv.block_tables["a"], 45, 1)
     alone = decoder(row.clone(), torch.tensor([45]), build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))
     chunk = SequenceLayout(kv.block_tables["c"], 0, 70, num_prompt=70)
-    both = decoder(torch.cat([row, torch.randn(70, HIDDEN)]), torch.cat([torch.tensor([45]), torch.arange(70)]),
+    prompt_rows = torch.randn(70, HIDDEN)
+    both = decoder(torch.cat([row, prompt_rows]), torch.cat([torch.tensor([45]), torch.arange(70)]),
                    build_attention_metadata([step, chunk], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
     assert torch.equal(both[0], alone[0])
+    # and the prompt's rows (here from the second row of the step, mid-tile) as they are alone
+    assert torch.equal(both[1:], read(decoder, kv, "d", prompt_rows, 0, 70))
 
 
-def errors_against_fp64(model: LlamaModel, kv: PagedKVCache, seqs: list[SequenceLayout], ids, positions):
+def errors_against_fp64(model: LlamaModel, kv: PagedKVCache, seqs: list[SequenceLayout], ids, positions,
+                        int8_blocks: bool = True):  # fmt: skip
     """(fused decoder, eager layers) largest errors relative to the layers in fp64 (activations as int8
-    blocks, K/V in bf16) for one step over `kv`, whose K/V are as before on return."""
+    blocks, or exact with `int8_blocks` False; K/V in bf16) for one step over `kv`, whose K/V are as before
+    on return."""
     snapshot = (kv.k.clone(), kv.v.clone())
     model._fused = None
     model.enforce_eager = True
@@ -146,16 +151,20 @@ def errors_against_fp64(model: LlamaModel, kv: PagedKVCache, seqs: list[Sequence
     ref_kv.v.copy_(snapshot[1])
     meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
     ref = model.norm(reference_layers(model, model.embed_tokens(ids).float(), positions, seqs, ref_kv,
-                                      meta.slot_mapping, BLOCK).float()).double()  # fmt: skip
+                                      meta.slot_mapping, BLOCK, int8_blocks).float()).double()  # fmt: skip
     kv.k.copy_(snapshot[0])
     kv.v.copy_(snapshot[1])
     return tuple(float((h.double() - ref).abs().max() / ref.abs().max()) for h in (fused, eager))
 
 
-def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
-    """Against the layers in fp64 (activations as int8 blocks, K/V in bf16), the fused decoder's prompt
-    runs (bf16 Q, K, P, V) stay within the eager layers' error, over cached tokens and without."""
-    model = model64(2)
+@pytest.mark.parametrize("prompt_bf16,kind", [(True, "int4"), (True, "int8"), (False, "int4")])
+def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers(prompt_bf16, kind, monkeypatch):
+    """Against the layers in fp64 (K/V in bf16), the fused decoder's prompt runs (bf16 Q, K, P, V) stay within
+    the eager layers' error, over cached tokens and without: with the projections in bf16 tiles against exact
+    activations (where the eager layers' int8 blocks lose more than bf16 rows do), and with them as int8
+    blocks (`prompt_bf16` off) against int8 blocks."""
+    monkeypatch.setattr(fused_decoder, "PROMPT_BF16", prompt_bf16)
+    model = model64(2, kind)
     for cached, new in ((0, 90), (37, 120)):
         kv = cache()
         kv.allocate("s", cached + new)
@@ -164,7 +173,7 @@ def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers():
             kv.v[layer].normal_()
         seqs = [SequenceLayout(kv.block_tables["s"], cached, new, num_prompt=new)]
         ids, positions = torch.randint(0, 96, (new,)), torch.arange(cached, cached + new)
-        fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions)
+        fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions, int8_blocks=not prompt_bf16)
         assert fused_error <= eager_error, (cached, new, fused_error, eager_error)
 
 

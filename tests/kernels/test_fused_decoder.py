@@ -61,15 +61,18 @@ def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(v * inv).double() * d.double()).reshape(x.shape)
 
 
-def reference_layers(model, x, positions, seqs, kv, slots, block: int = BLOCK) -> torch.Tensor:
-    """The layers in fp64 over the dequantized weights, activations as int8 blocks, K/V rounded to the
-    cache's dtype (of `block` slots a block); writes the new tokens' K/V into `kv` as the kernel does."""
+def reference_layers(
+    model, x, positions, seqs, kv, slots, block: int = BLOCK, int8_blocks: bool = True
+) -> torch.Tensor:
+    """The layers in fp64 over the dequantized weights, activations as int8 blocks (or exact, `int8_blocks`
+    False), K/V rounded to the cache's dtype (of `block` slots a block); writes the new tokens' K/V into `kv`
+    as the kernel does."""
     cfg = model.cfg
     D, Hq, Hk = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     cos, sin = model.rotary.cos[positions].double()[:, None], model.rotary.sin[positions].double()[:, None]
 
     def linear(h, lin):
-        return blocks_of_32(h) @ dequantized(lin.quant).double().T
+        return (blocks_of_32(h) if int8_blocks else h) @ dequantized(lin.quant).double().T
 
     def rms(h, w):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w.double()
