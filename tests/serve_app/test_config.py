@@ -60,7 +60,9 @@ def test_the_tensor_parallel_example_is_serve_config_with_two_ranks_per_replica(
     assert llm["ray_actor_options"]["num_cpus"] == engine.cpus_per_rank  # rank 0 runs in the first bundle
     base_app = base["applications"][0]
     base_app["args"]["engine"]["tensor_parallel_size"] = 2
-    {d["name"]: d for d in base_app["deployments"]}["LLMReplica"]["autoscaling_config"]["max_replicas"] = 1
+    llm_autoscaling = {d["name"]: d for d in base_app["deployments"]}["LLMReplica"]["autoscaling_config"]
+    llm_autoscaling["max_replicas"] = 1
+    del llm_autoscaling["initial_replicas"]  # one replica of two ranks fills the node
     assert tp2 == base
 
 
