@@ -108,6 +108,11 @@ typedef struct {
     int64_t wb_size;
 } Rows;
 
+/* Row t of x [.., k] as int8 blocks in `a`. */
+static inline void quantize_row(const float *x, int64_t t, int64_t groups, Blocks *a) {
+    for (int64_t b = t * groups; b < (t + 1) * groups; b++) quantize_block(x + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+}
+
 /* x [rows, k] as the projections take it: int8 blocks in `a`, and bf16 rows in r->xb. */
 static void prepare_rows(const float *x, int64_t rows, int64_t k, Blocks *a, const Rows *r) {
     const int64_t groups = k / GROUP;
@@ -118,12 +123,10 @@ static void prepare_rows(const float *x, int64_t rows, int64_t k, Blocks *a, con
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
-        if (r->row_bf16[t]) {
+        if (r->row_bf16[t])
             amx_bf16_row(x + t * k, k, t, r->xb);
-            continue;
-        }
-        for (int64_t b = t * groups; b < (t + 1) * groups; b++)
-            quantize_block(x + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+        else
+            quantize_row(x, t, groups, a);
     }
 }
 
@@ -337,7 +340,7 @@ static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *
     return cached + depth;
 }
 
-/* silu(gate) * up for each row of gate_up [T, 2 I] (gate first) into act [T, I]. */
+/* silu(gate) * up for one row of gate_up [2 inter] (gate first) into out [inter]. */
 static void swiglu_row(const float *gate_up, int64_t inter, float *out) {
     const float *gate = gate_up, *up = gate + inter;
     for (int64_t i = 0; i < inter; i += 8) {
@@ -365,8 +368,7 @@ static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act
             continue;
         }
         swiglu_row(gate_up + t * 2 * inter, inter, act + t * inter);
-        for (int64_t b = t * groups; b < (t + 1) * groups; b++)
-            quantize_block(act + b * GROUP, a->xq + b * GROUP, a->dx + b, a->sx + b);
+        quantize_row(act, t, groups, a);
     }
 }
 
