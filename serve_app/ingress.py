@@ -12,6 +12,7 @@ the request failed and it could not be resumed on another (serve_app/resumption.
 an error event and `[DONE]`, never a cut connection.
 
 `/health` is readiness: 200 only while at least one LLM replica has loaded its model and answers;
+`/v1/models` lists the model only once a replica has loaded it (503 with Retry-After before);
 `/metrics` and `/debug/engine` read the stats every running replica last reported (through the
 request router of this process's handle), so they never wait on a dead or busy replica.
 
@@ -482,9 +483,22 @@ class Ingress:
         self.metrics.observe_replicas(await self._replica_stats())
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    async def _serving(self) -> tuple[bool, str]:
+        """Whether some LLM replica has loaded the model: once this process's router lists a running
+        replica that is enough (no probe per call); before that, one replica is asked with a deadline."""
+        router = self._router()
+        if router is not None and router.replicas():
+            return True, ""
+        alive, why = await self._ready_replicas()
+        return alive > 0, why
+
+    @app.get("/v1/models", responses={503: {"model": ErrorResponse, "description": "No LLM replica is ready"}})
     async def models(self) -> ModelList:
-        """The served model."""
+        """The served model, once an LLM replica has loaded it (503 with Retry-After before: a client that
+        waits for this list, as load generators and OpenAI clients' health checks do, waits for the model)."""
+        serving, why = await self._serving()
+        if not serving:
+            return _retry_later(why, "no_ready_replica")
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
 
     @app.post(CHAT_PATH, openapi_extra={"x-lyanna-generation": True})

@@ -35,12 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def poll_health(url: str, until: int, timeout_s: float) -> list[tuple[float, int]]:
-    """GET /health every 0.25 s until it answers `until` (or time runs out); (seconds, status) seen."""
+def poll_health(url: str, until: int, timeout_s: float, path: str = "/health") -> list[tuple[float, int]]:
+    """GET `path` every 0.25 s until it answers `until` (or time runs out); (seconds, status) seen."""
     start, seen = time.monotonic(), []
     while time.monotonic() - start < timeout_s:
         try:
-            status = httpx.get(f"{url}/health", timeout=10).status_code
+            status = httpx.get(f"{url}{path}", timeout=10).status_code
         except httpx.HTTPError:
             status = 0  # no answer at all
         seen.append((round(time.monotonic() - start, 2), status))
@@ -60,11 +60,15 @@ def base_url():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     # A replica that loads its model slowly enough to be seen loading: the ingress comes up first.
-    seen: list[tuple[float, int]] = []
-    watcher = threading.Thread(target=lambda: seen.extend(poll_health(f"{url}/rel", 200, 180)))
-    watcher.start()
+    seen: dict[str, list[tuple[float, int]]] = {"/health": [], "/v1/models": []}
+    watchers = [
+        threading.Thread(target=lambda p=path: seen[p].extend(poll_health(f"{url}/rel", 200, 180, p))) for path in seen
+    ]
+    for watcher in watchers:
+        watcher.start()
     serve.run(build_app({"engine": ENGINE, "ingress": {"health_timeout_s": 1.0}}), name="rel", route_prefix="/rel")
-    watcher.join()
+    for watcher in watchers:
+        watcher.join()
     # Killed under requests: with resumption (speculation on), and with resumption off.
     spec = ENGINE | {"drafter": "lyanna", "spec_depth": 3, "spec_width": 2, "spec_budget": 6}
     serve.run(build_app({"engine": spec, "ingress": {"health_timeout_s": 1.0}}), name="kill", route_prefix="/kill")
@@ -272,8 +276,9 @@ def test_openapi_describes_the_generation_requests_and_their_errors(url):
     assert httpx.get(f"{url}/docs").status_code == 200
 
 
-def test_health_is_red_until_the_model_is_loaded(base_url):
-    _, seen = base_url  # polled while the application was deployed
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+def test_readiness_is_red_until_the_model_is_loaded(base_url, path):
+    seen = base_url[1][path]  # polled while the application was deployed
     statuses = [s for _, s in seen]
     assert statuses[-1] == 200
     first_ok = statuses.index(200)
