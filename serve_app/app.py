@@ -12,6 +12,16 @@ from serve_app.ingress import Ingress, IngressSettings
 from serve_app.replica import EngineSettings, LLMReplica
 from serve_app.tracing import TracingSettings
 
+# Ray Serve settings of the application's replicas (serve_config.yaml's `runtime_env`; the test servers'
+# clusters run with them too): request handling and the request router on each replica's own event loop,
+# not in a thread and a loop of their own, which saves two cross-thread hand-offs per streamed delta
+# (docs/serving.md, "Served under load"). Replicas must not block that loop: ours do their work in the
+# engine's thread and `await` every handle call.
+SERVE_ENV_VARS: dict[str, str] = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
 
 class AppArgs(BaseModel):
     """The application's arguments (`args:` in serve_config.yaml)."""
