@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per request")
-    ap.add_argument("--sample-interval-s", type=float, default=1.0, help="how often to sample replica counts")
+    ap.add_argument(
+        "--sample-interval-s",
+        type=float,
+        default=5.0,
+        help="how often to sample replica counts (each sample costs the ingress a `serve.status()`)",
+    )
     ap.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
     ap.add_argument("--out-dir", default=None, help="write summary.json, requests.jsonl and PNG plots here")
     args = ap.parse_args(argv)

@@ -45,7 +45,7 @@ class LoadTestConfig:
     slo_mix: str | None = None  # e.g. interactive:0.5,batch:0.5
     seed: int = 0
     request_timeout_s: float = 300.0
-    sample_interval_s: float = 1.0
+    sample_interval_s: float = 5.0
     allow_remote: bool = False
     out_dir: str | None = None
     slo: SLOSettings = field(default_factory=SLOSettings)  # the server's classes, for goodput
