@@ -17,9 +17,8 @@ from serve_app.tracing import TracingSettings
 # not in a thread and a loop of their own, which saves two cross-thread hand-offs per streamed delta
 # (docs/serving.md, "Served under load"). Replicas must not block that loop: ours do their work in the
 # engine's thread and `await` every handle call.
-SERVE_ENV_VARS: dict[str, str] = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+SERVE_RUNTIME_ENV: dict[str, dict[str, str]] = {
+    "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 }
 
 

@@ -29,7 +29,7 @@ from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
 from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
-from serve_app.app import SERVE_ENV_VARS
+from serve_app.app import SERVE_RUNTIME_ENV
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
 
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = EngineSettings.model_validate(engine_args | ({"drafter": args.drafter} if args.drafter else {}))
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     port = _free_port()
-    env = {"env_vars": SERVE_ENV_VARS}  # as serve_config.yaml runs the replicas
-    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    # as serve_config.yaml runs the replicas
+    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
     serve.run(Ingress.bind(replica, settings.served_model_name, settings.drafter), name="bench", route_prefix="/")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.app import SERVE_ENV_VARS, build_app
+from serve_app.app import SERVE_RUNTIME_ENV, build_app
 from tests.serve_app.test_server import ENGINE, free_port
 
 
@@ -14,7 +14,7 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SERVE_ENV_VARS})
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -12,7 +12,7 @@ from ray.serve.config import RequestRouterConfig
 
 from policies.autoscaling import SLOAutoscalingPolicy
 from policies.routing import LoadAwareRouter
-from serve_app.app import SERVE_ENV_VARS
+from serve_app.app import SERVE_RUNTIME_ENV
 from serve_app.ingress import Ingress
 from serve_app.replica import LLMReplica
 from tests.serve_app.test_server import ENGINE, MODEL, free_port
@@ -27,7 +27,7 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SERVE_ENV_VARS})
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     router = RequestRouterConfig(request_router_class=LoadAwareRouter, request_routing_stats_period_s=1)
     adaptive = ENGINE | {"spec_policy": "adaptive"}

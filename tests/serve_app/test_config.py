@@ -12,7 +12,7 @@ from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import SERVE_ENV_VARS, AppArgs
+from serve_app.app import SERVE_RUNTIME_ENV, AppArgs
 
 CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
 
@@ -22,7 +22,7 @@ def test_serve_config_parses_with_ray_and_with_our_args():
     schema = ServeDeploySchema.model_validate(raw)
     app = schema.applications[0]
     assert app.import_path == "serve_app.app:build_app"
-    assert app.runtime_env == {"env_vars": SERVE_ENV_VARS}  # what the test servers run with
+    assert app.runtime_env == SERVE_RUNTIME_ENV  # what the test servers run with
     # what `serve run` / `serve deploy` do with it: import the builder, call it with the args block
     builder = import_attr(app.import_path)
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)

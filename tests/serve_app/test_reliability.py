@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_app.app import SERVE_ENV_VARS, build_app, build_app_with_options
+from serve_app.app import SERVE_RUNTIME_ENV, build_app, build_app_with_options
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -56,7 +56,7 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SERVE_ENV_VARS})
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     # A replica that loads its model slowly enough to be seen loading: the ingress comes up first.

@@ -14,7 +14,7 @@ import pytest
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
-from serve_app.app import SERVE_ENV_VARS, build_app
+from serve_app.app import SERVE_RUNTIME_ENV, build_app
 from serve_app.ingress import Ingress
 from serve_app.replica import LLMReplica
 
@@ -43,9 +43,8 @@ def base_url(serve_logs):
     from ray import serve
 
     port = free_port()
-    ray.init(
-        num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SERVE_ENV_VARS}
-    )  # logical CPUs: 5 replicas
+    # logical CPUs: 5 replicas
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     logging_config = {"encoding": "JSON", "logs_dir": str(serve_logs)}  # as serve_config.yaml, in a temp dir
     serve.run(build_app({"engine": ENGINE}), name="llm", route_prefix="/", logging_config=logging_config)

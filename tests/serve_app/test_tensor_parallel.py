@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from engines.sampling import SamplingParams
-from serve_app.app import SERVE_ENV_VARS, build_app
+from serve_app.app import SERVE_RUNTIME_ENV, build_app
 from tests.conftest import CHAT_PROMPTS
 from tests.serve_app.test_reliability import BackgroundStream, free_port, poll_health, stream_text
 
@@ -36,7 +36,7 @@ def base_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": SERVE_ENV_VARS})
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for name, engine in APPS.items():
         serve.run(
