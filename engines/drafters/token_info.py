@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engines.model import RMSNorm
@@ -50,22 +49,29 @@ class TokenInfoEmbedding(nn.Module):
 
 class DenseTokenInfo:
     """`TokenInfoEmbedding` for inference: every token's offsets as training computes them, in fp32, with the
-    target-embedding half of the low-rank product precomputed ([vocab, rank])."""
+    target-embedding half of the low-rank product precomputed ([vocab, rank]).
+
+    The norm runs in rank space: for a row p of the projection, RMS(p · W2)^2 = p · G · p with
+    G = W2 · W2^T / vocab_out [rank, rank], so RMSNorm(p · W2) = (p / RMS) · (W2 ⊙ weight): one product with
+    the norm's weight folded into W2, and no pass over the vocabulary-wide rows."""
 
     def __init__(self, embedding: TokenInfoEmbedding):
         with torch.no_grad():
             self.projected = embedding.w_e.float() @ embedding.w1.float()  # [vocab, rank]
-            self.w2 = embedding.w2.detach().float()  # [rank, vocab_out]
-            self.weight = embedding.norm.weight.detach().float()
+            w2 = embedding.w2.detach().float()  # [rank, vocab_out]
+            self.gram = w2 @ w2.T / w2.shape[1]  # [rank, rank]
+            self.w2 = w2 * embedding.norm.weight.detach().float()  # the norm's weight folded in
         self.eps = embedding.norm.eps
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:  # [F] -> [F, vocab_out] fp32
-        return F.rms_norm(self.projected[tokens] @ self.w2, self.weight.shape, self.weight, eps=self.eps)
+        p = self.projected[tokens]
+        mean_square = ((p @ self.gram) * p).sum(-1, keepdim=True)  # of p · W2's entries
+        return (p * torch.rsqrt(mean_square + self.eps)) @ self.w2
 
     @property
     def nbytes(self) -> int:
-        """Memory of the precomputed product, W2 and the norm's weight."""
-        return sum(t.numel() * t.element_size() for t in (self.projected, self.w2, self.weight))
+        """Memory of the precomputed product, W2 (with the norm's weight) and the Gram matrix."""
+        return sum(t.numel() * t.element_size() for t in (self.projected, self.w2, self.gram))
 
 
 class TokenInfoTable:
