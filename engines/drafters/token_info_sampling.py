@@ -184,7 +184,21 @@ def _grow_levels(
     k: int,
     d2t: torch.Tensor | None,
 ) -> None:
-    """Algorithm 1 for requests of one width, `steps` descending: logits [n, max steps, vocab], roots [n]."""
+    """Algorithm 1 for requests of one width, `steps` descending: logits [n, max steps, vocab], roots [n].
+    At width 1 each row's top token and its probability are the whole step (no frontier to select)."""
+    if k == 1 and not use_triton(logits):  # chains: one node per request and depth, the child of the last
+        tokens, scores = roots, torch.ones(roots.shape, device=logits.device)
+        for step in range(steps[0]):
+            a = sum(1 for s in steps if s > step)  # requests still growing
+            z = logits[:a, step]
+            if token_info is not None:
+                z = z + token_info(tokens[:a]).float()
+            top_z, top = z.max(dim=-1)  # the first maximum, as `topk(1)` and `top_candidates` take it
+            scores = scores[:a] * (top_z - z.logsumexp(-1)).exp()
+            tokens = top if d2t is None else d2t[top]
+            parents = torch.full((a, 1), step, dtype=torch.int32, device=logits.device)  # node `step`: the last
+            levels.add(rows[:a], tokens.unsqueeze(1), parents, scores.unsqueeze(1))
+        return
     frontier_tokens = roots.unsqueeze(1)  # [n, F]
     frontier_nodes = torch.zeros_like(frontier_tokens)
     frontier_scores = torch.ones(frontier_tokens.shape, device=logits.device)

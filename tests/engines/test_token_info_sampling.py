@@ -134,8 +134,8 @@ def random_table(vocab: int, hot: int) -> TokenInfoTable:
 def test_batched_subtrees_equal_the_per_request_reference(info, hot_vocab, quantised):
     torch.manual_seed(0)
     vocab = 64
-    steps = [3, 1, 4, 0, 2, 3, 5, 4]  # a request with no steps keeps just its root
-    widths = [2, 3, 2, 2, 1, 3, 4, 2]
+    steps = [3, 1, 4, 0, 2, 3, 5, 4, 4, 3, 0]  # a request with no steps keeps just its root
+    widths = [2, 3, 2, 2, 1, 3, 4, 2, 1, 1, 1]  # width 1: chains, grown without the frontier's selection
     logits = [torch.randn(n, vocab) * 3 for n in steps]
     if quantised:  # equal logits and equal joint probabilities: every tie rule is exercised
         logits = [torch.randint(0, 3, (n, vocab)).float() for n in steps]
