@@ -10,8 +10,8 @@
  *
  * Every row is computed the same way whatever else is in the batch: the projections row by row
  * (integer_dot.h; amx.c's tiles give the same numbers), and attention over a token's keys in their sequence
- * order (cached tokens, then its ancestors root first), so a draft token accepted at depth d produces
- * exactly what decoding it would.
+ * order (cached tokens, then its ancestors root first), in parts fixed by their number (key_parts), so a draft
+ * token accepted at depth d produces exactly what decoding it would.
  *
  * Where amx.c's kernels run (AMX, a bf16 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
  * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
@@ -266,9 +266,10 @@ static inline void store_partial(float *p, int64_t n, __m256 x) {
 
 /* The query heads q[0..heads) (head_dim apart) that share one KV head, of one token, over its keys
  * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. K and V rows are read once for
- * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n]. */
+ * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n].
+ * With `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
 static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
-                   const int64_t *slots, int64_t n, float *scores, float *out) {
+                   const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
     const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
     const int bf16 = (int)m->cache_bf16;
     float best[16]; /* heads per KV head <= 16 */
@@ -301,6 +302,7 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
             sums = _mm256_add_ps(sums, p);
         }
         total[h] = hsum(sums);
+        if (stats) stats[2 * h] = best[h], stats[2 * h + 1] = total[h];
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
     }
     for (int64_t j = 0; j < n; j++) {
@@ -323,6 +325,42 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
 static int heads_attend(const Decoder *m) {
     return amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
            m->num_heads / m->num_kv_heads <= 16;
+}
+
+/* A one-by-one token's keys are attended in parts, each part of each KV head a task of its own, so that a
+ * decode's or a small tree's attention spreads over the team; the parts' results are then merged by their
+ * softmax statistics. The parts depend on the token's number of keys alone (never on its batch), so a draft
+ * token accepted at depth d still produces exactly what decoding it would. */
+#define PART_KEYS 256 /* keys per part at least (but the last) */
+#define MAX_PARTS 8
+
+static inline int64_t key_parts(int64_t n) {
+    const int64_t p = (n + PART_KEYS - 1) / PART_KEYS;
+    return p < 1 ? 1 : p > MAX_PARTS ? MAX_PARTS : p;
+}
+
+/* Keys in each of the `parts` parts of n keys (a multiple of 32; the last part has the rest, never none). */
+static inline int64_t part_keys(int64_t n, int64_t parts) { return ((n + parts - 1) / parts + 31) / 32 * 32; }
+
+/* out[h] for heads h < heads from the results of `parts` parts of their keys (part c: parts + c part_stride,
+ * heads dim apart, each normalised by its own sum; its maximum and sum at stats + c stats_stride + 2 h), in
+ * part order. */
+static void merge_parts(const float *parts, int64_t part_stride, const float *stats, int64_t stats_stride, int64_t count,
+                        int64_t heads, int64_t dim, float *out) {
+    for (int64_t h = 0; h < heads; h++) {
+        float most = -INFINITY, weight[MAX_PARTS], sum = 0.0f;
+        for (int64_t c = 0; c < count; c++) most = fmaxf(most, stats[c * stats_stride + 2 * h]);
+        for (int64_t c = 0; c < count; c++) {
+            weight[c] = expf(stats[c * stats_stride + 2 * h] - most) * stats[c * stats_stride + 2 * h + 1];
+            sum += weight[c];
+        }
+        for (int64_t i = 0; i < dim; i += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < count; c++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(weight[c] / sum), _mm256_loadu_ps(parts + c * part_stride + h * dim + i), acc);
+            _mm256_storeu_ps(out + h * dim + i, acc);
+        }
+    }
 }
 
 /* The sequence of token t and its keys' cache slots, in sequence order; returns how many. */
@@ -649,12 +687,15 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int64_t widest = max3(H, q_width, I), group = m->num_heads / m->num_kv_heads;
     if (threads < 1) threads = 1;
     /* tokens that attend one by one (decodes, trees, short runs): their keys' slots, per token */
-    int64_t *key_row = malloc(sizeof(int64_t) * T), one_by_one = 0, most_keys = 1;
+    int64_t *key_row = malloc(sizeof(int64_t) * T), one_by_one = 0, most_keys = 1, most_parts = 0;
     if (key_row)
         for (int64_t s = 0; s < b->num_seqs; s++) {
             const int64_t first = b->query_start[s], in_run = run_tokens(m, b, s);
             if (first + in_run < b->query_start[s + 1] && b->seq_lens[s] > most_keys) most_keys = b->seq_lens[s];
-            for (int64_t t = first; t < b->query_start[s + 1]; t++) key_row[t] = t < first + in_run ? -1 : one_by_one++;
+            for (int64_t t = first; t < b->query_start[s + 1]; t++) {
+                key_row[t] = t < first + in_run ? -1 : one_by_one++;
+                if (t >= first + in_run) most_parts += key_parts(b->seq_lens[s]); /* a token has at most seq_lens keys */
+            }
         }
     Runs runs;
     const int runs_failed = plan_runs(m, b, threads, &runs);
@@ -667,6 +708,13 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
     int64_t *key_counts = malloc(sizeof(int64_t) * T);
     float *scores = malloc(sizeof(float) * threads * group * most_keys);
+    /* the parts of one-by-one tokens' keys (key_parts): per part its token, index, and, where a token has
+     * several, its results and softmax statistics until they are merged; per token its first part */
+    int64_t num_parts = 0, split = 0;
+    const int64_t heads = m->num_heads, parts_size = most_parts ? most_parts : 1;
+    int64_t *part_token = malloc(sizeof(int64_t) * parts_size), *part_index = malloc(sizeof(int64_t) * parts_size);
+    int64_t *first_part = malloc(sizeof(int64_t) * T);
+    float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
     /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
     const int by_heads = one_by_one && heads_attend(m);
     const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
@@ -675,7 +723,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt;
+                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt || !part_token || !part_index ||
+                       !first_part || !part_out || !part_stats;
     int reduce_status = 0;
     int64_t late_rank = 0;
     if (!failed) {
@@ -686,6 +735,14 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 key_counts[t] = key_row[t] < 0 ? 0 : token_keys(m, b, t, key_slots + key_row[t] * most_keys);
+#pragma omp single
+            for (int64_t t = 0; t < T; t++) {
+                first_part[t] = num_parts;
+                if (key_row[t] < 0) continue;
+                const int64_t parts = key_parts(key_counts[t]);
+                split |= parts > 1;
+                for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
+            }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
                 const Layer *layer = &m->layers[l];
@@ -728,27 +785,37 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                             amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1, 1,
                                        runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
                                        runs.scores + omp_get_thread_num() * 16 * RUN_CHUNK,
-                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
+                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK, NULL);
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
-                for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
-                    const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
-                    if (key_row[t] < 0) continue;
+                for (int64_t task = 0; task < num_parts * m->num_kv_heads; task++) {
+                    const int64_t j = task / m->num_kv_heads, kv_head = task % m->num_kv_heads, t = part_token[j];
+                    const int64_t parts = key_parts(key_counts[t]), size = part_keys(key_counts[t], parts);
+                    const int64_t k0 = part_index[j] * size, n = (k0 + size < key_counts[t] ? k0 + size : key_counts[t]) - k0;
+                    const int64_t *slots = key_slots + key_row[t] * most_keys + k0;
+                    const int64_t at = kv_head * group * D; /* the KV head's first query head, in q and out */
+                    float *out = parts == 1 ? act + t * q_width + at : part_out + j * q_width + at;
+                    float *stats = parts == 1 ? NULL : part_stats + (j * heads + kv_head * group) * 2;
                     if (by_heads) {
                         const int me = omp_get_thread_num();
-                        const int64_t n = key_counts[t];
                         uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
-                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, key_slots + key_row[t] * most_keys,
-                                      n, kr, vt, 0, pad_keys(n));
-                        amx_attend_run(wide + t * qkv_width + kv_head * group * D, D, group, n, 0, kr, vt, D, m->scale,
-                                       act + t * q_width + kv_head * group * D, D, lay_st + me * 16 * RUN_CHUNK,
-                                       lay_pt + me * 8 * RUN_CHUNK);
+                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt, 0, pad_keys(n));
+                        amx_attend_run(wide + t * qkv_width + at, D, group, n, 0, kr, vt, D, m->scale, out, D,
+                                       lay_st + me * 16 * RUN_CHUNK, lay_pt + me * 8 * RUN_CHUNK, stats);
                         continue;
                     }
-                    attend(wide + t * qkv_width + kv_head * group * D, group, m, layer, kv_head,
-                           key_slots + key_row[t] * most_keys, key_counts[t], my_scores,
-                           act + t * q_width + kv_head * group * D);
+                    attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
+                }
+                if (split) {
+#pragma omp for schedule(static)
+                    for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
+                        const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
+                        if (key_row[t] < 0 || key_parts(key_counts[t]) == 1) continue;
+                        const int64_t at = kv_head * group * D, j = first_part[t];
+                        merge_parts(part_out + j * q_width + at, q_width, part_stats + (j * heads + kv_head * group) * 2,
+                                    heads * 2, key_parts(key_counts[t]), group, D, act + t * q_width + at);
+                    }
                 }
                 MARK(PHASE_ATTEND)
                 prepare_rows(act, T, q_width, &a, &row_plan);
@@ -783,6 +850,11 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(key_slots);
     free(key_counts);
     free(scores);
+    free(part_token);
+    free(part_index);
+    free(first_part);
+    free(part_out);
+    free(part_stats);
     free(lay_k);
     free(lay_v);
     free(lay_st);

@@ -184,6 +184,6 @@ void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                    uint32_t *pt);
+                    uint32_t *pt, float *stats);
 
 #endif

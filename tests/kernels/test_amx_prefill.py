@@ -179,8 +179,9 @@ def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers(prompt_bf16, k
 
 def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_layers():
     """Tokens that attend one by one (a decode, a draft tree's nodes) go through the tiles with a KV head's
-    query heads in the lanes: over more keys than one chunk of the kernel (512) they stay within the eager
-    layers' error against the layers in fp64, and a tree's chain equals decoding its tokens, bit for bit."""
+    query heads in the lanes: over more keys than one chunk of the kernel (512), attended in parts of their
+    keys merged afterwards, they stay within the eager layers' error against the layers in fp64, and a tree's
+    chain equals decoding its tokens, bit for bit."""
     model = model64(3)
     kv = cache(128)
     kv.allocate("dec", 701)
