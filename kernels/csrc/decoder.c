@@ -332,6 +332,11 @@ static int heads_attend(const Decoder *m) {
  * softmax statistics. The parts depend on the token's number of keys alone (never on its batch), so a draft
  * token accepted at depth d still produces exactly what decoding it would. */
 #define PART_KEYS 256 /* keys per part at least (but the last) */
+/* Keys whose next-layer K and V rows are prefetched toward L2 while a layer's down projection streams its weights
+ * (the first keys of each sequence's first one-by-one token, in batch order): a decode's keys come back from
+ * memory cold after the weights went through the cache, and attention waited for them. More than this, the
+ * prefetches fill the line buffers that the projection's weights need. */
+#define PREFETCH_KEYS 512
 #define MAX_PARTS 8
 
 static inline int64_t key_parts(int64_t n) {
@@ -714,6 +719,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int64_t heads = m->num_heads, parts_size = most_parts ? most_parts : 1;
     int64_t *part_token = malloc(sizeof(int64_t) * parts_size), *part_index = malloc(sizeof(int64_t) * parts_size);
     int64_t *first_part = malloc(sizeof(int64_t) * T);
+    int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
     /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
     const int by_heads = one_by_one && heads_attend(m);
@@ -724,7 +730,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
                        !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt || !part_token || !part_index ||
-                       !first_part || !part_out || !part_stats;
+                       !first_part || !part_out || !part_stats || !prefetch;
     int reduce_status = 0;
     int64_t late_rank = 0;
     if (!failed) {
@@ -742,6 +748,9 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 const int64_t parts = key_parts(key_counts[t]);
                 split |= parts > 1;
                 for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
+                if (b->parents[t] >= 0) continue; /* a tree node or chain token past the first: its sequence's keys are listed */
+                for (int64_t j = 0; j < key_counts[t] && num_prefetch < PREFETCH_KEYS; j++)
+                    prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
             }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
@@ -830,6 +839,19 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 MARK(PHASE_GATE_UP)
                 swiglu(wide, T, I, act, &a, &row_plan);
                 MARK(PHASE_SWIGLU)
+                if (l + 1 < m->num_layers) {
+                    const Layer *next = &m->layers[l + 1];
+                    const int64_t bytes = kv_width * (m->cache_bf16 ? 2 : 4);
+#pragma omp for schedule(static) nowait
+                    for (int64_t i = 0; i < num_prefetch; i++) {
+                        const char *k = (const char *)next->k_cache + prefetch[i] * bytes;
+                        const char *v = (const char *)next->v_cache + prefetch[i] * bytes;
+                        for (int64_t at = 0; at < bytes; at += 64) {
+                            _mm_prefetch(k + at, _MM_HINT_T1);
+                            _mm_prefetch(v + at, _MM_HINT_T1);
+                        }
+                    }
+                }
                 project(&layer->down, &a, &row_plan, T, h);
                 if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
@@ -855,6 +877,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(first_part);
     free(part_out);
     free(part_stats);
+    free(prefetch);
     free(lay_k);
     free(lay_v);
     free(lay_st);
