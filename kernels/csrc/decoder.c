@@ -268,15 +268,22 @@ static inline void store_partial(float *p, int64_t n, __m256 x) {
  * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. K and V rows are read once for
  * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n].
  * With `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
+#define ATTEND_AHEAD 16
 static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
                    const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
     const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
     const int bf16 = (int)m->cache_bf16;
     float best[16]; /* heads per KV head <= 16 */
     for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
+    const int64_t size = bf16 ? 2 : 4; /* the rows are requested ATTEND_AHEAD keys ahead (see amx_pack_keys) */
+    for (int64_t j = 0; j < n && j < ATTEND_AHEAD; j++)
+        for (int64_t b = 0; b < dim * size; b += 64) _mm_prefetch((const char *)layer->k_cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
     for (int64_t j = 0; j < n; j++) {
         __m256 key[16]; /* head_dim <= 128 */
         const int64_t at = slots[j] * row + kv_head * dim;
+        if (j + ATTEND_AHEAD < n)
+            for (int64_t b = 0; b < dim * size; b += 64)
+                _mm_prefetch((const char *)layer->k_cache + (slots[j + ATTEND_AHEAD] * row + kv_head * dim) * size + b, _MM_HINT_T0);
         for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, bf16);
         for (int64_t h = 0; h < heads; h++) {
             __m256 acc = _mm256_setzero_ps();
@@ -305,9 +312,14 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
         if (stats) stats[2 * h] = best[h], stats[2 * h + 1] = total[h];
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
     }
+    for (int64_t j = 0; j < n && j < ATTEND_AHEAD; j++)
+        for (int64_t b = 0; b < dim * size; b += 64) _mm_prefetch((const char *)layer->v_cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
     for (int64_t j = 0; j < n; j++) {
         __m256 value[16];
         const int64_t at = slots[j] * row + kv_head * dim;
+        if (j + ATTEND_AHEAD < n)
+            for (int64_t b = 0; b < dim * size; b += 64)
+                _mm_prefetch((const char *)layer->v_cache + (slots[j + ATTEND_AHEAD] * row + kv_head * dim) * size + b, _MM_HINT_T0);
         for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, bf16);
         for (int64_t h = 0; h < heads; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * n + j]);
