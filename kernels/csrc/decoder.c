@@ -264,26 +264,32 @@ static inline void store_partial(float *p, int64_t n, __m256 x) {
     for (int i = 0; i < n; i++) p[i] = v[i];
 }
 
+#define ATTEND_AHEAD 16 /* keys whose rows `attend` requests ahead of use (see amx_pack_keys) */
+
+/* Requests one KV head's rows of keys [from, to) of `cache` into L1 (rows `row` values of `size` bytes apart). */
+static inline void prefetch_head(const void *cache, const int64_t *slots, int64_t from, int64_t to, int64_t row,
+                                 int64_t kv_head, int64_t dim, int64_t size) {
+    for (int64_t j = from; j < to; j++)
+        for (int64_t b = 0; b < dim * size; b += 64)
+            _mm_prefetch((const char *)cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
+}
+
 /* The query heads q[0..heads) (head_dim apart) that share one KV head, of one token, over its keys
  * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. K and V rows are read once for
  * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n].
  * With `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
-#define ATTEND_AHEAD 16
 static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
                    const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
     const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
     const int bf16 = (int)m->cache_bf16;
     float best[16]; /* heads per KV head <= 16 */
     for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
-    const int64_t size = bf16 ? 2 : 4; /* the rows are requested ATTEND_AHEAD keys ahead (see amx_pack_keys) */
-    for (int64_t j = 0; j < n && j < ATTEND_AHEAD; j++)
-        for (int64_t b = 0; b < dim * size; b += 64) _mm_prefetch((const char *)layer->k_cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
+    const int64_t size = bf16 ? 2 : 4, ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
+    prefetch_head(layer->k_cache, slots, 0, ahead, row, kv_head, dim, size);
     for (int64_t j = 0; j < n; j++) {
         __m256 key[16]; /* head_dim <= 128 */
         const int64_t at = slots[j] * row + kv_head * dim;
-        if (j + ATTEND_AHEAD < n)
-            for (int64_t b = 0; b < dim * size; b += 64)
-                _mm_prefetch((const char *)layer->k_cache + (slots[j + ATTEND_AHEAD] * row + kv_head * dim) * size + b, _MM_HINT_T0);
+        if (j + ATTEND_AHEAD < n) prefetch_head(layer->k_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
         for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, bf16);
         for (int64_t h = 0; h < heads; h++) {
             __m256 acc = _mm256_setzero_ps();
@@ -312,14 +318,11 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
         if (stats) stats[2 * h] = best[h], stats[2 * h + 1] = total[h];
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
     }
-    for (int64_t j = 0; j < n && j < ATTEND_AHEAD; j++)
-        for (int64_t b = 0; b < dim * size; b += 64) _mm_prefetch((const char *)layer->v_cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
+    prefetch_head(layer->v_cache, slots, 0, ahead, row, kv_head, dim, size);
     for (int64_t j = 0; j < n; j++) {
         __m256 value[16];
         const int64_t at = slots[j] * row + kv_head * dim;
-        if (j + ATTEND_AHEAD < n)
-            for (int64_t b = 0; b < dim * size; b += 64)
-                _mm_prefetch((const char *)layer->v_cache + (slots[j + ATTEND_AHEAD] * row + kv_head * dim) * size + b, _MM_HINT_T0);
+        if (j + ATTEND_AHEAD < n) prefetch_head(layer->v_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
         for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, bf16);
         for (int64_t h = 0; h < heads; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * n + j]);
@@ -344,12 +347,13 @@ static int heads_attend(const Decoder *m) {
  * softmax statistics. The parts depend on the token's number of keys alone (never on its batch), so a draft
  * token accepted at depth d still produces exactly what decoding it would. */
 #define PART_KEYS 256 /* keys per part at least (but the last) */
+#define MAX_PARTS 8
+
 /* Keys whose next-layer K and V rows are prefetched toward L2 while a layer's down projection streams its weights
  * (the first keys of each sequence's first one-by-one token, in batch order): a decode's keys come back from
  * memory cold after the weights went through the cache, and attention waited for them. More than this, the
  * prefetches fill the line buffers that the projection's weights need. */
 #define PREFETCH_KEYS 512
-#define MAX_PARTS 8
 
 static inline int64_t key_parts(int64_t n) {
     const int64_t p = (n + PART_KEYS - 1) / PART_KEYS;
@@ -727,10 +731,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     float *scores = malloc(sizeof(float) * threads * group * most_keys);
     /* the parts of one-by-one tokens' keys (key_parts): per part its token, index, and, where a token has
      * several, its results and softmax statistics until they are merged; per token its first part */
-    int64_t num_parts = 0, split = 0;
+    int64_t num_parts = 0;
     const int64_t heads = m->num_heads, parts_size = most_parts ? most_parts : 1;
     int64_t *part_token = malloc(sizeof(int64_t) * parts_size), *part_index = malloc(sizeof(int64_t) * parts_size);
-    int64_t *first_part = malloc(sizeof(int64_t) * T);
+    int64_t *first_part = malloc(sizeof(int64_t) * (T + 1)); /* token t's parts: first_part[t] .. first_part[t + 1] */
     int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
     /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
@@ -754,15 +758,17 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
             for (int64_t t = 0; t < T; t++)
                 key_counts[t] = key_row[t] < 0 ? 0 : token_keys(m, b, t, key_slots + key_row[t] * most_keys);
 #pragma omp single
-            for (int64_t t = 0; t < T; t++) {
-                first_part[t] = num_parts;
-                if (key_row[t] < 0) continue;
-                const int64_t parts = key_parts(key_counts[t]);
-                split |= parts > 1;
-                for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
-                if (b->parents[t] >= 0) continue; /* a tree node or chain token past the first: its sequence's keys are listed */
-                for (int64_t j = 0; j < key_counts[t] && num_prefetch < PREFETCH_KEYS; j++)
-                    prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
+            {
+                for (int64_t t = 0; t < T; t++) {
+                    first_part[t] = num_parts;
+                    if (key_row[t] < 0) continue;
+                    const int64_t parts = key_parts(key_counts[t]);
+                    for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
+                    if (b->parents[t] >= 0) continue; /* a tree node or chain token past the first: its sequence's keys are listed */
+                    for (int64_t j = 0; j < key_counts[t] && num_prefetch < PREFETCH_KEYS; j++)
+                        prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
+                }
+                first_part[T] = num_parts;
             }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
@@ -828,14 +834,14 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     }
                     attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
                 }
-                if (split) {
+                if (num_parts > one_by_one) { /* some token's keys went in several parts */
 #pragma omp for schedule(static)
                     for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
                         const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
-                        if (key_row[t] < 0 || key_parts(key_counts[t]) == 1) continue;
-                        const int64_t at = kv_head * group * D, j = first_part[t];
+                        const int64_t j = first_part[t], count = first_part[t + 1] - j, at = kv_head * group * D;
+                        if (count < 2) continue;
                         merge_parts(part_out + j * q_width + at, q_width, part_stats + (j * heads + kv_head * group) * 2,
-                                    heads * 2, key_parts(key_counts[t]), group, D, act + t * q_width + at);
+                                    heads * 2, count, group, D, act + t * q_width + at);
                     }
                 }
                 MARK(PHASE_ATTEND)
