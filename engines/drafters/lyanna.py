@@ -98,6 +98,7 @@ class LyannaDrafter(Drafter):
         if kv_cache is not None and kv_cache.prefix_caching:
             slots = kv_cache.num_blocks * kv_cache.block_size
             self.hidden_store = model.embed.new_zeros(slots, model.embed.shape[1])
+        self._unstored: list[tuple[torch.Tensor, torch.Tensor]] = []  # (CPU slots, hidden) for `_flush_store`
         self.num_rebuilt = 0  # cached-prefix tokens whose hidden states came from the store
         self.num_fused = 0  # proposals that carried a re-sampled tree
         self.num_resampled_alone = 0  # proposals that were a re-sampled tree alone (fusion off)
@@ -110,15 +111,26 @@ class LyannaDrafter(Drafter):
         return 1 if self.fused_layer is not None else 0
 
     def _store(self, request: Request, start: int, hidden: torch.Tensor) -> None:
-        """Keep the target's hidden states of positions start.. at their KV slots (prefix caching)."""
+        """Keep the target's hidden states of positions start.. at their KV slots (prefix caching). The
+        slots are read now, while the request's blocks are its own; the copy waits for `_flush_store`, so
+        a step's verified requests cost one host-to-device copy, not one each."""
         if self.hidden_store is None or self.kv_cache is None:
             return
-        slots = self.kv_cache.slots(request.request_id, start, start + hidden.shape[0])
-        self.hidden_store.index_copy_(0, slots.to(self.hidden_store.device), hidden.to(self.hidden_store.dtype))
+        self._unstored.append((self.kv_cache.slots(request.request_id, start, start + hidden.shape[0]), hidden))
+
+    def _flush_store(self) -> None:
+        """Write the hidden states `_store` held back: before anything else reads or writes the store."""
+        if not self._unstored or self.hidden_store is None:
+            return
+        slots = torch.cat([s for s, _ in self._unstored]).to(self.hidden_store.device)
+        hidden = torch.cat([h for _, h in self._unstored]).to(self.hidden_store.dtype)
+        self._unstored.clear()
+        self.hidden_store.index_copy_(0, slots, hidden)
 
     def on_cached_prefix(self, request: Request, num_cached: int) -> None:
         if request.spec is None or self.hidden_store is None or self.kv_cache is None:
             return
+        self._flush_store()
         slots = self.kv_cache.slots(request.request_id, 0, num_cached).to(self.hidden_store.device)
         # A fresh state (also after a preemption: the blocks may differ): the context is read again from 0.
         st = self.states[request.request_id] = _State()
@@ -142,6 +154,7 @@ class LyannaDrafter(Drafter):
     def on_prefill(self, requests: list[Request], hidden: torch.Tensor, row_starts: list[int]) -> None:
         lengths = [row_starts[i + 1] - row_starts[i] for i in range(len(requests))]
         if self.hidden_store is not None and self.kv_cache is not None:
+            self._flush_store()
             ids, starts = [r.request_id for r in requests], [r.num_computed_tokens for r in requests]
             slots = self.kv_cache.batch_slots(ids, starts, lengths).to(self.hidden_store.device)
             self.hidden_store.index_copy_(0, slots, hidden.to(self.hidden_store.dtype))
@@ -170,6 +183,7 @@ class LyannaDrafter(Drafter):
 
     # ---- drafting -------------------------------------------------------------------------------
     def catch_up(self, requests: list[Request]) -> list[int]:
+        self._flush_store()
         states = [self.states.get(req.request_id) for req in requests]
         read = iter(self._advance_contexts([(req, st) for req, st in zip(requests, states, strict=True) if st]))
         return [next(read) if st else 0 for st in states]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.request import Request
@@ -216,6 +217,35 @@ def test_the_drafter_rebuilds_its_context_over_a_cached_prefix(config):
     first_a, first_b = trees[a.request_id][0], trees[b.request_id][0]
     assert first_b is not None and first_a.tokens == first_b.tokens and first_a.parents == first_b.parents
     assert torch.allclose(torch.tensor(first_a.scores), torch.tensor(first_b.scores), rtol=1e-3, atol=1e-5)
+
+
+class _StoreWrites(TorchDispatchMode):
+    """Counts the in-place index copies into one tensor (the drafter's hidden-state store)."""
+
+    def __init__(self, store: torch.Tensor):
+        super().__init__()
+        self.store, self.count = store, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index_copy_.default and args[0].data_ptr() == self.store.data_ptr():
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_writes_its_verified_requests_hidden_states_to_the_store_at_once():
+    """Four speculating requests: each step's verified paths reach the store in one write (one host-to-
+    device copy of their slots on a GPU), not one per request."""
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, drafter="lyanna", spec_policy="fixed"))
+    reqs = [engine.add_request(conv, greedy(12)) for conv in (FRANCE, LEAVES, HAIKU, CHAT_PROMPTS[3])]
+    while not all(r.output_token_ids for r in reqs):
+        engine.step()
+    engine.step()  # the first verification step: its paths are written with the next step's drafting
+    writes = []
+    for _ in range(3):
+        with _StoreWrites(engine.executor.drafter.hidden_store) as counter:
+            engine.step()
+        writes.append(counter.count)
+    assert writes == [1, 1, 1]
 
 
 @pytest.mark.slow
