@@ -422,6 +422,52 @@ AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int6
     _tile_loadd(K, kr + (kt + (T)) * 16 * dim + 512 * h, 64);                                                \
     _tile_dpbf16ps(T, K, 4);
 
+/* Scores S^T of key tiles t0 .. t0 + 3 (those below `tiles`; 16 keys x 16 queries each) of keys kr into st + 256 t,
+ * from the queries' tiles qt (dim / 32 of them, loaded one at a time into tile 4); uses tiles 0-4, 6 and 7. */
+static inline AMX_FN __attribute__((always_inline)) void score_tiles(const uint32_t (*qt)[16][16], const uint16_t *kr,
+                                                                     int64_t dim, int64_t t0, int64_t tiles, float *st) {
+    const int64_t kt = t0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t h = 0; h < dim / 32; h++) {
+        _tile_loadd(4, qt[h], 64);
+        S_TILE(0, 6)
+        if (t0 + 1 < tiles) { S_TILE(1, 7) }
+        if (t0 + 2 < tiles) { S_TILE(2, 6) }
+        if (t0 + 3 < tiles) { S_TILE(3, 7) }
+    }
+    _tile_stored(0, st + t0 * 256, 64);
+    if (t0 + 1 < tiles) _tile_stored(1, st + (t0 + 1) * 256, 64);
+    if (t0 + 2 < tiles) _tile_stored(2, st + (t0 + 2) * 256, 64);
+    if (t0 + 3 < tiles) _tile_stored(3, st + (t0 + 3) * 256, 64);
+}
+
+/* Step s of scoring `tiles` key tiles of keys kr (dim 64) a tile at a time, in the background of vector work: store
+ * key tile s - 4's scores (tile A = s % 4, whose products were issued four steps ago and are done) into st, then
+ * start key tile s in tile A. The queries' two dim halves sit in tiles 4 and 5, the keys go through 6 and 7. */
+#define SCORE_STEP(A)                                                                                        \
+    do {                                                                                                     \
+        if (s >= 4) _tile_stored(A, st + (s - 4) * 256, 64);                                                 \
+        if (s < tiles) {                                                                                     \
+            _tile_zero(A);                                                                                   \
+            _tile_loadd(6, kr + s * 16 * 64, 64);                                                            \
+            _tile_loadd(7, kr + s * 16 * 64 + 512, 64);                                                      \
+            _tile_dpbf16ps(A, 6, 4);                                                                         \
+            _tile_dpbf16ps(A, 7, 5);                                                                         \
+        }                                                                                                    \
+    } while (0)
+static inline AMX_FN __attribute__((always_inline)) void score_step(const uint16_t *kr, int64_t s, int64_t tiles, float *st) {
+    switch (s & 3) { /* tile numbers are immediates */
+    case 0: SCORE_STEP(0); break;
+    case 1: SCORE_STEP(1); break;
+    case 2: SCORE_STEP(2); break;
+    default: SCORE_STEP(3); break;
+    }
+}
+#undef SCORE_STEP
+
 /* O^T dims 16 (j0 + T).. += V^T (A: tile V) times P^T (B: tile 4), over the 32 keys from 32 i. */
 #define PV_TILE(T, V)                                                                                        \
     if (j0 + (T) < dim / 16) {                                                                               \
@@ -432,7 +478,7 @@ AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int6
 /* Attention of `rows` (<= 16) consecutive tokens of a causal run for one query head: row r (q + r q_stride,
  * fp32, dim values) sees keys [0, limit + r) of its sequence; out + r out_stride = softmax(q K^T scale) V,
  * fp32; with causal 0 every row sees keys [0, limit) (the query heads of one token that share a KV head). Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
- * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [RUN_CHUNK][16] fp32), their
+ * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [2][RUN_CHUNK][16] fp32, chunks alternating), their
  * maximum, their probabilities (pt: [RUN_CHUNK / 2][16] pairs of bf16), P V; the sums so far are rescaled
  * when the maximum grows (an online softmax over chunks). dim: 32, 64, 96 or 128. With `stats` (else NULL),
  * row r's softmax maximum and sum go to stats[2 r] and stats[2 r + 1], in natural-log units (a part of a
@@ -481,37 +527,36 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 best = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
     config_bf16();
-    for (int64_t k0 = 0; k0 < end; k0 += RUN_CHUNK) {
+    /* Chunk c's scores sit in st + (c % 2) RUN_CHUNK 16. The next chunk's are computed inside this chunk's softmax
+     * loop (a key tile every 16 keys at dim 64, four every 64 keys otherwise), so the tile unit works beside the
+     * vector units; the arithmetic is the same as scoring each chunk before its softmax. */
+    {
+        const int64_t k1 = RUN_CHUNK < end ? RUN_CHUNK : end;
+        for (int64_t t0 = 0; t0 < (k1 + 15) / 16; t0 += 4) score_tiles(qt, kr, dim, t0, (k1 + 15) / 16, st);
+    }
+    for (int64_t k0 = 0, c = 0; k0 < end; k0 += RUN_CHUNK, c++) {
         const int64_t k1 = k0 + RUN_CHUNK < end ? k0 + RUN_CHUNK : end; /* keys [k0, k1) */
-        const int64_t tiles = (k1 - k0 + 15) / 16, padded = (k1 - k0 + 31) / 32 * 32;
-        for (int64_t t0 = 0; t0 < tiles; t0 += 4) { /* S^T, four key tiles at a time */
-            const int64_t kt = k0 / 16 + t0;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t h = 0; h < dim / 32; h++) {
-                _tile_loadd(4, qt[h], 64);
-                S_TILE(0, 6)
-                if (t0 + 1 < tiles) { S_TILE(1, 7) }
-                if (t0 + 2 < tiles) { S_TILE(2, 6) }
-                if (t0 + 3 < tiles) { S_TILE(3, 7) }
-            }
-            _tile_stored(0, st + t0 * 256, 64);
-            if (t0 + 1 < tiles) _tile_stored(1, st + (t0 + 1) * 256, 64);
-            if (t0 + 2 < tiles) _tile_stored(2, st + (t0 + 2) * 256, 64);
-            if (t0 + 3 < tiles) _tile_stored(3, st + (t0 + 3) * 256, 64);
+        const int64_t padded = (k1 - k0 + 31) / 32 * 32;
+        const float *cur = st + (c % 2) * RUN_CHUNK * 16;
+        float *next = st + ((c + 1) % 2) * RUN_CHUNK * 16;
+        const int64_t n0 = k0 + RUN_CHUNK, n1 = n0 + RUN_CHUNK < end ? n0 + RUN_CHUNK : end; /* the next chunk */
+        const int64_t next_tiles = n0 < end ? (n1 - n0 + 15) / 16 : 0;
+        int64_t issued = 0; /* score steps (dim 64) or key tiles (otherwise) of the next chunk issued so far */
+        const int stepwise = dim == 64;
+        if (stepwise && next_tiles) {
+            _tile_loadd(4, qt[0], 64);
+            _tile_loadd(5, qt[1], 64);
         }
         const int64_t open = (limit < k1 ? limit : k1) - k0; /* keys of the chunk every lane sees */
         __m512 m0 = best, m1 = best, m2 = best, m3 = best;
         int64_t j = 0;
         for (; j + 4 <= open; j += 4) {
-            m0 = _mm512_max_ps(m0, _mm512_load_ps(st + 16 * j));
-            m1 = _mm512_max_ps(m1, _mm512_load_ps(st + 16 * (j + 1)));
-            m2 = _mm512_max_ps(m2, _mm512_load_ps(st + 16 * (j + 2)));
-            m3 = _mm512_max_ps(m3, _mm512_load_ps(st + 16 * (j + 3)));
+            m0 = _mm512_max_ps(m0, _mm512_load_ps(cur + 16 * j));
+            m1 = _mm512_max_ps(m1, _mm512_load_ps(cur + 16 * (j + 1)));
+            m2 = _mm512_max_ps(m2, _mm512_load_ps(cur + 16 * (j + 2)));
+            m3 = _mm512_max_ps(m3, _mm512_load_ps(cur + 16 * (j + 3)));
         }
-        for (; j < k1 - k0; j++) m0 = _mm512_mask_max_ps(m0, SEEN(k0 + j), m0, _mm512_load_ps(st + 16 * j));
+        for (; j < k1 - k0; j++) m0 = _mm512_mask_max_ps(m0, SEEN(k0 + j), m0, _mm512_load_ps(cur + 16 * j));
         const __m512 most = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
         /* 2^(old max - new max): 0 for the first chunk (old = -inf) and lanes of no row, exactly 1 where the
          * maximum stays (a row's result must not depend on chunks of keys it does not see) */
@@ -524,20 +569,29 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
         __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
         for (j = 0; j < padded; j += 2) {
             __m512 p0, p1;
+            if (stepwise && j % 16 == 0 && issued < next_tiles + 4) score_step(kr + n0 * dim, issued++, next_tiles, next);
+            if (!stepwise && j % 64 == 0 && issued < next_tiles) {
+                score_tiles(qt, kr + n0 * dim, dim, issued, next_tiles, next);
+                issued += 4;
+            }
             if (j + 2 <= open) {
-                p0 = exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * j), most));
-                p1 = exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * (j + 1)), most));
+                p0 = exp2_16(_mm512_sub_ps(_mm512_load_ps(cur + 16 * j), most));
+                p1 = exp2_16(_mm512_sub_ps(_mm512_load_ps(cur + 16 * (j + 1)), most));
             } else {
-                p0 = k0 + j < end ? _mm512_maskz_mov_ps(SEEN(k0 + j), exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * j), most)))
+                p0 = k0 + j < end ? _mm512_maskz_mov_ps(SEEN(k0 + j), exp2_16(_mm512_sub_ps(_mm512_load_ps(cur + 16 * j), most)))
                                   : _mm512_setzero_ps();
                 p1 = k0 + j + 1 < end
-                         ? _mm512_maskz_mov_ps(SEEN(k0 + j + 1), exp2_16(_mm512_sub_ps(_mm512_load_ps(st + 16 * (j + 1)), most)))
+                         ? _mm512_maskz_mov_ps(SEEN(k0 + j + 1), exp2_16(_mm512_sub_ps(_mm512_load_ps(cur + 16 * (j + 1)), most)))
                          : _mm512_setzero_ps();
             }
             sum0 = _mm512_add_ps(sum0, p0);
             sum1 = _mm512_add_ps(sum1, p1);
             _mm512_store_si512((void *)(pt + 8 * j), _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
         }
+        if (stepwise)
+            for (; issued < next_tiles + 4; issued++) score_step(kr + n0 * dim, issued, next_tiles, next);
+        else
+            for (; issued < next_tiles; issued += 4) score_tiles(qt, kr + n0 * dim, dim, issued, next_tiles, next);
         total = _mm512_fmadd_ps(total, alpha, _mm512_add_ps(sum0, sum1));
         for (int64_t j0 = 0; j0 < dim / 16; j0 += 4) { /* O^T += V^T P^T, four tiles of 16 dims at a time */
             _tile_zero(0);

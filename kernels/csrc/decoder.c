@@ -574,7 +574,7 @@ typedef struct {
     int64_t *slots;                          /* every run's key slots in sequence order */
     int64_t (*pack)[3], (*attend)[3];
     uint16_t *kr, *vt; /* per run and KV head: its keys and values laid out (amx_pack_keys), n_pad * dim each */
-    float *scores;     /* per thread: [RUN_CHUNK][16] (amx_attend_run's scratch) */
+    float *scores;     /* per thread: [2][RUN_CHUNK][16] (amx_attend_run's scratch) */
     uint32_t *probs;   /* per thread: [RUN_CHUNK / 2][16] */
 } Runs;
 
@@ -613,7 +613,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
     r->pack = malloc(sizeof(int64_t[3]) * pack), r->attend = malloc(sizeof(int64_t[3]) * attend);
     const size_t bytes = sizeof(uint16_t) * (size_t)(padded * Hk * D); /* a multiple of 64 (n_pad of 64, D of 32) */
     r->kr = aligned_alloc(64, bytes), r->vt = aligned_alloc(64, bytes);
-    r->scores = aligned_alloc(64, sizeof(float) * 16 * RUN_CHUNK * (size_t)threads);
+    r->scores = aligned_alloc(64, sizeof(float) * 2 * 16 * RUN_CHUNK * (size_t)threads);
     r->probs = aligned_alloc(64, sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads);
     if (!r->seq || !r->n_pad || !r->slot_at || !r->buf_at || !r->slots || !r->pack || !r->attend || !r->kr || !r->vt ||
         !r->scores || !r->probs)
@@ -742,7 +742,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
     const size_t lay_bytes = sizeof(uint16_t) * (size_t)(lay_size * threads);
     uint16_t *lay_k = aligned_alloc(64, lay_bytes), *lay_v = aligned_alloc(64, lay_bytes);
-    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
+    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 2 * 16 * RUN_CHUNK * (size_t)threads : 64);
     uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
                        !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt || !part_token || !part_index ||
@@ -811,7 +811,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) /* one KV head's keys stay in cache */
                             amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1, 1,
                                        runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
-                                       runs.scores + omp_get_thread_num() * 16 * RUN_CHUNK,
+                                       runs.scores + omp_get_thread_num() * 2 * 16 * RUN_CHUNK,
                                        runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK, NULL);
                     }
                 }
@@ -829,7 +829,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
                         amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt, 0, pad_keys(n));
                         amx_attend_run(wide + t * qkv_width + at, D, group, n, 0, kr, vt, D, m->scale, out, D,
-                                       lay_st + me * 16 * RUN_CHUNK, lay_pt + me * 8 * RUN_CHUNK, stats);
+                                       lay_st + me * 2 * 16 * RUN_CHUNK, lay_pt + me * 8 * RUN_CHUNK, stats);
                         continue;
                     }
                     attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);

@@ -169,7 +169,7 @@ void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int
                  const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
 
 /* amx.c: the AMX kernels (see there); amx_active() says whether amx_configure turned them on. */
-#define RUN_CHUNK 512 /* keys amx_attend_run scores at a time (its scratch: st [RUN_CHUNK][16], pt [RUN_CHUNK / 2][16]) */
+#define RUN_CHUNK 512 /* keys amx_attend_run scores at a time (its scratch: st [2][RUN_CHUNK][16], pt [RUN_CHUNK / 2][16]) */
 int amx_configure(int want);
 int amx_active(void);
 void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
