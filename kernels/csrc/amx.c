@@ -632,6 +632,187 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
     }
 }
 
+/* The keys and values 0..n of one KV head laid out for amx_attend_heads (keys n.. zero; slots and cache as for
+ * amx_pack_keys): kt holds per 16 keys and 32 dims K^T as a tile of dim pairs x keys, [keys / 16][dim / 32][16][16]
+ * pairs (key c's dims 2p, 2p + 1 in pair c of row p); vp per 32 keys and 32 dims V as two tiles of key pairs x 16
+ * dims, [keys / 32][dim / 32][2][16][16] pairs (keys 2i, 2i + 1 of a dim in one pair of row i): the dims in the
+ * order in which 16-bit interleaves leave them (the first tile dims 0-3, 8-11, 16-19, 24-27 of the 32, the second
+ * 4-7, 12-15, 20-23, 28-31), which amx_attend_heads undoes on its output. */
+AMX_FN void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head,
+                                int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp) {
+    static const uint16_t zeros[128] = {0}; /* a padding key's row (dim <= 128) */
+    const int64_t padded = (n + 31) / 32 * 32;
+    prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, 0, PACK_AHEAD < n ? PACK_AHEAD : n);
+    for (int64_t j0 = 0; j0 < padded; j0 += 32) {
+        const uint16_t *keys[32], *values[32];
+        const int64_t ahead = j0 + 32 + PACK_AHEAD < n ? j0 + 32 + PACK_AHEAD : n;
+        prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
+        for (int64_t j = 0; j < 32; j++) {
+            keys[j] = j0 + j < n ? k_cache + slots[j0 + j] * row + kv_head * dim : zeros;
+            values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : zeros;
+        }
+        for (int64_t m = 0; m < dim / 32; m++) { /* row i: keys 2i and 2i + 1 as pairs, dims in HEADS_DIMS' order */
+            uint16_t *lo = vp + ((j0 / 32) * (dim / 16) + 2 * m) * 512, *hi = lo + 512;
+            for (int i = 0; i < 16; i++) {
+                const __m512i a = _mm512_loadu_si512((const void *)(values[2 * i] + 32 * m));
+                const __m512i b = _mm512_loadu_si512((const void *)(values[2 * i + 1] + 32 * m));
+                _mm512_store_si512((void *)(lo + 32 * i), _mm512_unpacklo_epi16(a, b));
+                _mm512_store_si512((void *)(hi + 32 * i), _mm512_unpackhi_epi16(a, b));
+            }
+        }
+        for (int64_t half = 0; half < 2; half++) /* 16 keys x 16 dim pairs, transposed to dim pairs x keys */
+            for (int64_t h = 0; h < dim / 32; h++) {
+                __m512i r[16], a[16], b[16];
+                for (int c = 0; c < 16; c++) r[c] = _mm512_loadu_si512((const void *)(keys[16 * half + c] + 32 * h));
+                transpose16(r, a, b);
+                uint16_t *tile = kt + (((j0 + 16 * half) / 16) * (dim / 32) + h) * 512;
+                for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(tile + 32 * p), r[p]);
+            }
+    }
+}
+
+/* Tiles 0-3 and 4-5 of `rows` rows (results and query-side operands), 6-7 of 16 (key-side operands). */
+static AMX_FN void config_heads(int64_t rows) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t < 6 ? (uint8_t)rows : 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Attention of `rows` (<= 16) query rows that all see keys [0, n): the query heads of one token that share a KV
+ * head (row r: q + r q_stride, fp32, dim values; out + r out_stride = softmax(q K^T scale) V, fp32). Keys and values:
+ * kt and vp (amx_pack_heads_keys). The keys sit in vector lanes: the tile products run with the rows as their
+ * rows (S = Q K^T, then O = P V), so a handful of heads costs a handful of vector rows of softmax, not 16 lanes a
+ * key as in amx_attend_run. Keys go RUN_CHUNK at a time (st: [rows][RUN_CHUNK] fp32 scores, pb: [rows][RUN_CHUNK]
+ * bf16 probabilities), the sums rescaled when a row's maximum grows. dim: 32, 64, 96 or 128. With `stats` (else
+ * NULL), row r's softmax maximum and sum go to stats[2 r] and stats[2 r + 1], in natural-log units. */
+AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt,
+                             const uint16_t *vp, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
+                             uint16_t *pb, float *stats) {
+    uint16_t qa[4][16][32] __attribute__((aligned(64))); /* per 32 dims: [row][dims] bf16, in base-2 units */
+    float part[4][16][16] __attribute__((aligned(64)));  /* a chunk's P V per 16 dims: [row][dim] */
+    float acc[16][128] __attribute__((aligned(64)));     /* O: [row][dim] */
+    float best[16], total[16];
+    const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < dim / 32; h++)
+            _mm512_store_si512((void *)qa[h][r],
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 32 * h + 16), c),
+                                                            _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 32 * h), c)));
+        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(acc[r] + d, _mm512_setzero_ps());
+        best[r] = -INFINITY, total[r] = 0.0f;
+    }
+    config_heads(rows);
+    for (int64_t k0 = 0; k0 < n; k0 += RUN_CHUNK) {
+        const int64_t w = (k0 + RUN_CHUNK < n ? k0 + RUN_CHUNK : n) - k0; /* keys [k0, k0 + w) */
+        const int64_t tiles = (w + 15) / 16, groups = (w + 31) / 32;
+        for (int64_t t0 = 0; t0 < tiles; t0 += 4) { /* S, four tiles of 16 keys at a time */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            const uint16_t *kt0 = kt + (k0 / 16 + t0) * (dim / 32) * 512;
+            for (int64_t h = 0; h < dim / 32; h++) {
+                _tile_loadd(4, qa[h], 64);
+                _tile_loadd(6, kt0 + h * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (t0 + 1 < tiles) {
+                    _tile_loadd(7, kt0 + (dim / 32 + h) * 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (t0 + 2 < tiles) {
+                    _tile_loadd(6, kt0 + (2 * dim / 32 + h) * 512, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                }
+                if (t0 + 3 < tiles) {
+                    _tile_loadd(7, kt0 + (3 * dim / 32 + h) * 512, 64);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+            }
+            _tile_stored(0, st + 16 * t0, RUN_CHUNK * 4);
+            if (t0 + 1 < tiles) _tile_stored(1, st + 16 * (t0 + 1), RUN_CHUNK * 4);
+            if (t0 + 2 < tiles) _tile_stored(2, st + 16 * (t0 + 2), RUN_CHUNK * 4);
+            if (t0 + 3 < tiles) _tile_stored(3, st + 16 * (t0 + 3), RUN_CHUNK * 4);
+        }
+        float alpha[16];
+        for (int64_t r = 0; r < rows; r++) { /* row r's maximum, probabilities (keys w.. zero) and sum */
+            const float *sr = st + r * RUN_CHUNK;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < w; j += 16)
+                m = _mm512_mask_max_ps(m, j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1), m,
+                                       _mm512_loadu_ps(sr + j));
+            const float most = fmaxf(best[r], _mm512_reduce_max_ps(m));
+            /* 2^(old max - new max): 0 for the first chunk, exactly 1 where the maximum stays */
+            alpha[r] = best[r] == -INFINITY ? 0.0f : best[r] == most ? 1.0f : exp2f(best[r] - most);
+            best[r] = most;
+            const __m512 mv = _mm512_set1_ps(most);
+            __m512 sum = _mm512_setzero_ps();
+            uint16_t *pr = pb + r * RUN_CHUNK;
+            for (int64_t j = 0; j < 32 * groups; j += 32) {
+                const __mmask16 k0m = j + 16 <= w ? (__mmask16)0xffff : j < w ? (__mmask16)((1u << (w - j)) - 1) : 0;
+                const __mmask16 k1m = j + 32 <= w ? (__mmask16)0xffff : j + 16 < w ? (__mmask16)((1u << (w - j - 16)) - 1) : 0;
+                const __m512 p0 = _mm512_maskz_mov_ps(k0m, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+                const __m512 p1 = _mm512_maskz_mov_ps(k1m, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), mv)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                _mm512_storeu_si512((void *)(pr + j), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            total[r] = total[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t j0 = 0; j0 < dim / 16; j0 += 4) { /* O += P V, four tiles of 16 dims at a time */
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < groups; g++) {
+                const uint16_t *vg = vp + ((k0 / 32 + g) * (dim / 16) + j0) * 512;
+                _tile_loadd(4, pb + 32 * g, RUN_CHUNK * 2);
+                _tile_loadd(6, vg, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (j0 + 1 < dim / 16) {
+                    _tile_loadd(7, vg + 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (j0 + 2 < dim / 16) {
+                    _tile_loadd(6, vg + 2 * 512, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                }
+                if (j0 + 3 < dim / 16) {
+                    _tile_loadd(7, vg + 3 * 512, 64);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+            }
+            _tile_stored(0, part[0], 64);
+            if (j0 + 1 < dim / 16) _tile_stored(1, part[1], 64);
+            if (j0 + 2 < dim / 16) _tile_stored(2, part[2], 64);
+            if (j0 + 3 < dim / 16) _tile_stored(3, part[3], 64);
+            const int64_t width = dim / 16 - j0 < 4 ? dim / 16 - j0 : 4;
+            for (int64_t r = 0; r < rows; r++) {
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                for (int64_t t = 0; t < width; t++)
+                    _mm512_store_ps(acc[r] + 16 * (j0 + t),
+                                    _mm512_fmadd_ps(_mm512_load_ps(acc[r] + 16 * (j0 + t)), a, _mm512_load_ps(part[t][r])));
+            }
+        }
+    }
+    _tile_release();
+    /* acc's 32 values of each 32 dims are in vp's order: value 16 h + 4 l + w is dim 8 l + 4 h + w */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t r = 0; r < rows; r++) {
+        if (stats) stats[2 * r] = best[r] * 0.693147180559945309f, stats[2 * r + 1] = total[r];
+        const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512 a = _mm512_load_ps(acc[r] + d), b = _mm512_load_ps(acc[r] + d + 16);
+            _mm512_storeu_ps(out + r * out_stride + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), inv));
+            _mm512_storeu_ps(out + r * out_stride + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), inv));
+        }
+    }
+}
+
 #else /* no AMX in this compiler: never on */
 int amx_configure(int want) {
     (void)want;
@@ -658,6 +839,15 @@ void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
     (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt;
     (void)k0, (void)k1;
+}
+void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
+                         const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp) {
+    (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kt, (void)vp;
+}
+void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
+                      int64_t dim, float scale, float *out, int64_t out_stride, float *st, uint16_t *pb, float *stats) {
+    (void)q, (void)q_stride, (void)rows, (void)n, (void)kt, (void)vp, (void)dim, (void)scale, (void)out, (void)out_stride;
+    (void)st, (void)pb, (void)stats;
 }
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,

@@ -17,9 +17,10 @@
  * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
  * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
  * token's result, too, does not depend on the batch nor on where its chunk starts or ends. There the other
- * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the same kernel, the query
- * heads of one KV head in its lanes (heads_attend): a token's keys in sequence order laid out in its
- * thread's scratch, so a draft token accepted at depth d still produces exactly what decoding it would.
+ * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the tiles too, the query
+ * heads of one KV head as the tile rows and the keys in vector lanes (heads_attend; amx_pack_heads_keys,
+ * amx_attend_heads): a token's keys in sequence order laid out in its thread's scratch, so a draft token
+ * accepted at depth d still produces exactly what decoding it would.
  *
  * On a tensor-parallel rank (Decoder.reduce set) the layers hold this rank's heads and MLP channels, and the
  * o_proj and down outputs are summed across the node's ranks in shared memory (all_reduce: the protocol of
@@ -336,7 +337,7 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
     }
 }
 
-/* Whether one-by-one tokens attend through amx_attend_run (heads in lanes) rather than `attend`. */
+/* Whether one-by-one tokens attend through amx_attend_heads (the tiles) rather than `attend`. */
 static int heads_attend(const Decoder *m) {
     return amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
            m->num_heads / m->num_kv_heads <= 16;
@@ -737,7 +738,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     int64_t *first_part = malloc(sizeof(int64_t) * (T + 1)); /* token t's parts: first_part[t] .. first_part[t + 1] */
     int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
-    /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_run's own */
+    /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_heads's own */
     const int by_heads = one_by_one && heads_attend(m);
     const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
     const size_t lay_bytes = sizeof(uint16_t) * (size_t)(lay_size * threads);
@@ -827,9 +828,9 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     if (by_heads) {
                         const int me = omp_get_thread_num();
                         uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
-                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt, 0, pad_keys(n));
-                        amx_attend_run(wide + t * qkv_width + at, D, group, n, 0, kr, vt, D, m->scale, out, D,
-                                       lay_st + me * 2 * 16 * RUN_CHUNK, lay_pt + me * 8 * RUN_CHUNK, stats);
+                        amx_pack_heads_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt);
+                        amx_attend_heads(wide + t * qkv_width + at, D, group, n, kr, vt, D, m->scale, out, D,
+                                         lay_st + me * 2 * 16 * RUN_CHUNK, (uint16_t *)(lay_pt + me * 8 * RUN_CHUNK), stats);
                         continue;
                     }
                     attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
