@@ -477,15 +477,14 @@ static inline AMX_FN __attribute__((always_inline)) void score_step(const uint16
 
 /* Attention of `rows` (<= 16) consecutive tokens of a causal run for one query head: row r (q + r q_stride,
  * fp32, dim values) sees keys [0, limit + r) of its sequence; out + r out_stride = softmax(q K^T scale) V,
- * fp32; with causal 0 every row sees keys [0, limit) (the query heads of one token that share a KV head). Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the softmax's maxima and sums run
- * down the key rows. Keys go RUN_CHUNK at a time: all their scores (st: [2][RUN_CHUNK][16] fp32, chunks alternating), their
- * maximum, their probabilities (pt: [RUN_CHUNK / 2][16] pairs of bf16), P V; the sums so far are rescaled
- * when the maximum grows (an online softmax over chunks). dim: 32, 64, 96 or 128. With `stats` (else NULL),
- * row r's softmax maximum and sum go to stats[2 r] and stats[2 r + 1], in natural-log units (a part of a
- * row's keys, merged with the other parts by the caller). */
-AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
+ * fp32. Keys and values: kr and vt (amx_pack_keys, covering the keys). The queries sit in vector lanes, so the
+ * softmax's maxima and sums run down the key rows. Keys go RUN_CHUNK at a time: all their scores (st:
+ * [2][RUN_CHUNK][16] fp32, chunks alternating), their maximum, their probabilities (pt: [RUN_CHUNK / 2][16]
+ * pairs of bf16), P V; the sums so far are rescaled when the maximum grows (an online softmax over chunks).
+ * dim: 32, 64, 96 or 128. */
+AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                            const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                           uint32_t *pt, float *stats) {
+                           uint32_t *pt) {
     uint32_t qt[4][16][16] __attribute__((aligned(64))); /* per 32 dims: [dim pair][query] bf16 pairs */
     float part[4][16][16] __attribute__((aligned(64)));  /* a chunk's O^T tiles: [dim][query] */
     float acc[128][16] __attribute__((aligned(64)));     /* O^T: [dim][query] */
@@ -519,7 +518,7 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
         }
     }
     for (int64_t d = 0; d < dim; d++) _mm512_store_ps(acc[d], _mm512_setzero_ps());
-    const int64_t end = causal ? limit + rows - 1 : limit; /* keys the last row sees */
+    const int64_t end = limit + rows - 1; /* keys the last row sees */
     /* key j is visible to lanes r with r < rows and r >= j - limit + 1: every lane for j < limit */
     const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
 #define SEEN(j) ((j) < limit ? lanes : (j) - limit + 1 >= 16 || (j) >= end ? (__mmask16)0 : (__mmask16)(lanes & (0xffffu << ((j) - limit + 1))))
@@ -617,12 +616,6 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
     }
 #undef SEEN
     _tile_release();
-    if (stats) {
-        float b[16] __attribute__((aligned(64))), z[16] __attribute__((aligned(64)));
-        _mm512_store_ps(b, best);
-        _mm512_store_ps(z, total);
-        for (int64_t r = 0; r < rows; r++) stats[2 * r] = b[r] * 0.693147180559945309f, stats[2 * r + 1] = z[r];
-    }
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
     for (int64_t d0 = 0; d0 < dim; d0 += 16) { /* O^T [dim][query] scaled, turned to rows 16 dims at a time */
         __m512i t[16], a[16], b[16];
@@ -849,10 +842,10 @@ void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n,
     (void)q, (void)q_stride, (void)rows, (void)n, (void)kt, (void)vp, (void)dim, (void)scale, (void)out, (void)out_stride;
     (void)st, (void)pb, (void)stats;
 }
-void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                    uint32_t *pt, float *stats) {
-    (void)q, (void)q_stride, (void)rows, (void)limit, (void)causal, (void)kr, (void)vt, (void)dim, (void)scale, (void)out;
-    (void)out_stride, (void)st, (void)pt, (void)stats;
+                    uint32_t *pt) {
+    (void)q, (void)q_stride, (void)rows, (void)limit, (void)kr, (void)vt, (void)dim, (void)scale, (void)out;
+    (void)out_stride, (void)st, (void)pt;
 }
 #endif

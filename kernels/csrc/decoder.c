@@ -743,10 +743,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
     const size_t lay_bytes = sizeof(uint16_t) * (size_t)(lay_size * threads);
     uint16_t *lay_k = aligned_alloc(64, lay_bytes), *lay_v = aligned_alloc(64, lay_bytes);
-    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 2 * 16 * RUN_CHUNK * (size_t)threads : 64);
-    uint32_t *lay_pt = aligned_alloc(64, by_heads ? sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads : 64);
+    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
+    uint16_t *lay_pb = aligned_alloc(64, by_heads ? sizeof(uint16_t) * 16 * RUN_CHUNK * (size_t)threads : 64);
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pt || !part_token || !part_index ||
+                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pb || !part_token || !part_index ||
                        !first_part || !part_out || !part_stats || !prefetch;
     int reduce_status = 0;
     int64_t late_rank = 0;
@@ -810,10 +810,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const int64_t n_pad = runs.n_pad[r], at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
                         for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) /* one KV head's keys stay in cache */
-                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1, 1,
+                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
                                        runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
                                        runs.scores + omp_get_thread_num() * 2 * 16 * RUN_CHUNK,
-                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK, NULL);
+                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
@@ -830,7 +830,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
                         amx_pack_heads_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt);
                         amx_attend_heads(wide + t * qkv_width + at, D, group, n, kr, vt, D, m->scale, out, D,
-                                         lay_st + me * 2 * 16 * RUN_CHUNK, (uint16_t *)(lay_pt + me * 8 * RUN_CHUNK), stats);
+                                         lay_st + me * 16 * RUN_CHUNK, lay_pb + me * 16 * RUN_CHUNK, stats);
                         continue;
                     }
                     attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
@@ -900,7 +900,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(lay_k);
     free(lay_v);
     free(lay_st);
-    free(lay_pt);
+    free(lay_pb);
     if (reduce_status) b->bad = late_rank;
     return failed ? -1 : reduce_status;
 }

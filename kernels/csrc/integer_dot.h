@@ -182,9 +182,9 @@ void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x
                      int64_t b0, int64_t b1);
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
-void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, int causal, const uint16_t *kr,
+void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                    uint32_t *pt, float *stats);
+                    uint32_t *pt);
 void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                          const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp);
 void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
