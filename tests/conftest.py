@@ -13,6 +13,10 @@ if not torch.cuda.is_available():
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.loader import resolve_checkpoint
+from serve_app.app import use_serve_cluster_env
+
+# The Ray clusters the tests start serve as `make run`'s does (HAProxy ingress); set before any of them starts.
+use_serve_cluster_env()
 
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

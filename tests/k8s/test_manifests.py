@@ -11,7 +11,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.app import AppArgs
+from serve_app.app import SERVE_CLUSTER_ENV, AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"
@@ -104,3 +104,13 @@ def test_cluster_shape(path, doc):
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == engine["tensor_parallel_size"]
     assert gpu["maxReplicas"] >= llm["autoscaling_config"]["max_replicas"]
     assert container["readinessProbe"] and container["livenessProbe"]
+
+
+def test_every_way_of_starting_the_server_gives_ray_the_cluster_environment():
+    """`make run` and the image KubeRay starts set what serve_app.app.SERVE_CLUSTER_ENV names before Ray starts."""
+    run = (ROOT / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    (command,) = [line.strip() for line in run.splitlines() if "serve run serve_config.yaml" in line]
+    dockerfile = (ROOT / "k8s" / "Dockerfile").read_text().splitlines()
+    for name, value in SERVE_CLUSTER_ENV.items():
+        assert f"{name}={value}" in command.split(" serve run ")[0].split()
+        assert f"ENV {name}={value}" in dockerfile
