@@ -57,6 +57,9 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # Prompt tokens' projections in bf16 tiles on AMX CPUs (amx.c's amx_bf16_blocks over the weights dequantized a
 # panel at a time); off (`LYANNA_PROMPT_BF16=0`), they go through the int8 blocks that decoding uses.
 PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "1") != "0"
+# Those rows' gate_up and SwiGLU in one pass (the gate and up sums of a tile stay in L1); True: in two, as before,
+# which the one pass equals bit for bit (the tests' reference).
+SPLIT_SWIGLU = False
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -101,6 +104,7 @@ class _Decoder(ctypes.Structure):
         ("reduce", ctypes.POINTER(_Reducer)),  # NULL on one rank
         ("final_norm", _p),  # [hidden] fp32 or NULL: the model's final norm on the last layer's output
         ("prompt_bf16", _i64),  # 1: prompt runs' projections in bf16 tiles (AMX)
+        ("split_swiglu", _i64),  # 1: their gate_up and SwiGLU in two passes (SPLIT_SWIGLU)
     ]
 
 
@@ -249,6 +253,7 @@ class _Layers:
         self.cfg, self.rotary, self.layers, self.cache, self.block_size = cfg, rotary, layers, cache, block_size
         self.final_norm = final_norm  # the model's final norm weight (applied after the last layer), or None
         self.prompt_bf16 = prompt_bf16
+        self.split_swiglu = SPLIT_SWIGLU
         self.shard = shard or Shard(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
         self._build()
 
@@ -339,6 +344,7 @@ class _Layers:
             reduce=None if self._reducer is None else ctypes.pointer(self._reducer),
             final_norm=None if final_norm is None else final_norm.data_ptr(),
             prompt_bf16=int(self.prompt_bf16),
+            split_swiglu=int(self.split_swiglu),
         )
         self._sources_at_build = sources
 

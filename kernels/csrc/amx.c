@@ -273,21 +273,22 @@ static inline AMX_FN __m512 exp2_16(__m512 x) {
 /* Row t of SwiGLU(gate, up) = gate sigmoid(gate) up (gate_up: the row's gate then up, inter values each) in
  * amx_bf16_row's layout, from fp32 sums (sigmoid through 2^x and a refined reciprocal: about fp32's accuracy
  * before the rounding to bf16). */
+static inline AMX_FN __m512 swiglu_16(__m512 gate, __m512 up) {
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), minus_log2e = _mm512_set1_ps(-1.44269504088896341f);
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(gate, minus_log2e), _mm512_set1_ps(-150.0f)),
+                                   _mm512_set1_ps(126.0f)); /* 1 + 2^x stays finite */
+    const __m512 d = _mm512_add_ps(one, exp2_16(x)); /* 1 + e^-gate */
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two)); /* one Newton step */
+    return _mm512_mul_ps(_mm512_mul_ps(gate, inv), up);
+}
+
 AMX_FN void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb) {
     uint16_t *row = xb + (t / 16) * 16 * inter + (t % 16) * 32;
-    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), minus_log2e = _mm512_set1_ps(-1.44269504088896341f);
     for (int64_t g = 0; g < inter / GROUP; g++) {
-        __m512 y[2];
-        for (int h = 0; h < 2; h++) {
-            const __m512 gate = _mm512_loadu_ps(gate_up + 32 * g + 16 * h), up = _mm512_loadu_ps(gate_up + inter + 32 * g + 16 * h);
-            const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(gate, minus_log2e), _mm512_set1_ps(-150.0f)),
-                                           _mm512_set1_ps(126.0f)); /* 1 + 2^x stays finite */
-            const __m512 d = _mm512_add_ps(one, exp2_16(x)); /* 1 + e^-gate */
-            __m512 inv = _mm512_rcp14_ps(d);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, two)); /* one Newton step */
-            y[h] = _mm512_mul_ps(_mm512_mul_ps(gate, inv), up);
-        }
-        _mm512_store_si512((void *)(row + 512 * g), (__m512i)_mm512_cvtne2ps_pbh(y[1], y[0]));
+        const __m512 y0 = swiglu_16(_mm512_loadu_ps(gate_up + 32 * g), _mm512_loadu_ps(gate_up + inter + 32 * g));
+        const __m512 y1 = swiglu_16(_mm512_loadu_ps(gate_up + 32 * g + 16), _mm512_loadu_ps(gate_up + inter + 32 * g + 16));
+        _mm512_store_si512((void *)(row + 512 * g), (__m512i)_mm512_cvtne2ps_pbh(y1, y0));
     }
 }
 
@@ -340,6 +341,51 @@ AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint
                 if (t0 + r >= r0 && t0 + r < r1)
                     for (int j = 0; j <= two; j++)
                         memcpy(out + (t0 + r) * n + 16 * (b + j), part[2 * (r / 16) + j][r % 16], 64);
+        }
+    }
+    _tile_release();
+}
+
+/* Rows [r0, r1) of SwiGLU(x @ W_gate.T, x @ W_up.T), output groups [p0, p1) of 32 values, into xo in amx_swiglu_row's
+ * layout (rows of `inter` values), bit for bit what amx_bf16_blocks then amx_swiglu_row give: x as amx_bf16_blocks
+ * reads it (whole pairs of tiles of 16 rows from r0 / 16, rows outside [r0, r1) computed and dropped); wb the gate
+ * blocks 2 p0 .. 2 p1 then the up blocks 2 p0 .. 2 p1 of the same outputs, as amx_bf16_weights lays them out. Two
+ * tiles of rows against a gate block and its up block at a time: their sums never leave L1 (the two passes wrote
+ * and read all of them, 8 bytes a value, through memory). */
+AMX_FN void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1,
+                                   int64_t inter, int64_t p0, int64_t p1, uint16_t *xo) {
+    const int64_t groups = k / GROUP, block = groups * 512, blocks = 2 * (p1 - p0);
+    float part[4][16][16] __attribute__((aligned(64))); /* gate rows 0-15, gate rows 16-31, up rows 0-15, up 16-31 */
+    config_bf16();
+    for (int64_t t0 = r0 / 16 * 16; t0 < r1; t0 += 32) {
+        const uint16_t *x0 = x + t0 * k, *x1 = x0 + 16 * k;
+        for (int64_t j = 0; j < blocks; j++) {
+            const uint16_t *gate = wb + j * block, *up = wb + (blocks + j) * block;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_loadd(4, x0 + g * 512, 64);
+                _tile_loadd(6, gate + g * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_loadd(5, x1 + g * 512, 64);
+                _tile_dpbf16ps(1, 5, 6);
+                _tile_loadd(7, up + g * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, part[0], 64);
+            _tile_stored(1, part[1], 64);
+            _tile_stored(2, part[2], 64);
+            _tile_stored(3, part[3], 64);
+            const int64_t column = 512 * (p0 + j / 2) + 16 * (j % 2); /* the block's 16 values in its group's tile rows */
+            for (int64_t r = 0; r < 32; r++) {
+                const int64_t t = t0 + r;
+                if (t < r0 || t >= r1) continue;
+                const __m512 y = swiglu_16(_mm512_load_ps(part[r / 16][r % 16]), _mm512_load_ps(part[2 + r / 16][r % 16]));
+                _mm256_store_si256((__m256i *)(xo + (t / 16) * 16 * inter + column + 32 * (t % 16)), (__m256i)_mm512_cvtneps_pbh(y));
+            }
         }
     }
     _tile_release();
@@ -827,6 +873,10 @@ void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb
 void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, float *out,
                      int64_t b0, int64_t b1) {
     (void)wb, (void)n, (void)k, (void)x, (void)r0, (void)r1, (void)out, (void)b0, (void)b1;
+}
+void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, int64_t inter,
+                            int64_t p0, int64_t p1, uint16_t *xo) {
+    (void)wb, (void)k, (void)x, (void)r0, (void)r1, (void)inter, (void)p0, (void)p1, (void)xo;
 }
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {

@@ -73,6 +73,7 @@ typedef struct {
     const Reducer *reduce; /* a tensor-parallel rank's sums (intermediate and heads are this rank's); NULL: one rank */
     const float *final_norm; /* [hidden] fp32: the model's final norm, applied to the last layer's output; NULL: none */
     int64_t prompt_bf16;     /* 1: prompt runs' projections in bf16 tiles where AMX runs (amx_bf16_blocks) */
+    int64_t split_swiglu;    /* 1: those rows' gate_up and SwiGLU in two passes, not one (the one pass's reference) */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -105,6 +106,7 @@ typedef struct {
     uint8_t *bf16;           /* [count] 1: the segment's rows go in bf16 */
     uint8_t *row_bf16;       /* [T] */
     uint16_t *xb;            /* [T rounded up to 16, + 32][widest] bf16 rows (amx_bf16_row); NULL: every row is int8 */
+    uint16_t *xo;            /* the same size: the bf16 rows' SwiGLU for the down projection (gate_up_swiglu) */
     uint16_t *wb;            /* per thread, wb_size values: a panel of weight blocks as bf16 tiles (amx_bf16_weights) */
     int64_t wb_size;
 } Rows;
@@ -417,14 +419,45 @@ static void swiglu_row(const float *gate_up, int64_t inter, float *out) {
     }
 }
 
+/* gate_up (w: the gate's blocks, then the up's, `inter` outputs each) of the bf16 rows and their SwiGLU in one pass:
+ * into r->xo, as amx_swiglu_row lays rows out for the down projection, bit for bit what project then swiglu
+ * write; int8 rows' gate_up into out [rows, 2 inter] as project computes it (swiglu finishes them). The output
+ * groups of 32 are split across the team, a panel of their gate and up blocks dequantized at a time (ends with a
+ * barrier). */
+static void gate_up_swiglu(const QWeight *w, const Blocks *a, const Rows *r, int64_t inter, float *out) {
+    const int64_t k = w->k, n = w->n, groups = k / GROUP, half = inter / 16, pairs = inter / GROUP;
+    const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads();
+    const int64_t p0 = pairs * t / teams, p1 = pairs * (t + 1) / teams;
+    const int64_t most = r->wb_size / (groups * 512) / 4; /* output groups of a panel: four blocks each */
+    const int bits = (int)w->bits;
+    uint16_t *wb = r->wb + t * r->wb_size;
+    for (int64_t c0 = p0; c0 < p1; c0 += most) {
+        const int64_t c1 = c0 + most < p1 ? c0 + most : p1;
+        amx_bf16_weights(w->codes, w->scales, w->mins, bits, k, 2 * c0, 2 * c1, wb);
+        amx_bf16_weights(w->codes, w->scales, w->mins, bits, k, half + 2 * c0, half + 2 * c1, wb + 2 * (c1 - c0) * groups * 512);
+        for (int64_t s = 0; s < r->count; s++)
+            if (r->bf16[s]) amx_bf16_swiglu_blocks(wb, k, r->xb, r->start[s], r->start[s] + r->length[s], inter, c0, c1, r->xo);
+    }
+    for (int64_t s = 0; s < r->count; s++) {
+        if (r->bf16[s]) continue;
+        const int64_t at = r->start[s], length = r->length[s];
+        for (int64_t u = 0; u < 2; u++) /* the thread's gate blocks, then the same outputs' up blocks */
+            (length >= 16 ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq + at * k,
+                                                      a->dx + at * groups, a->sx + at * groups, length, out + at * n,
+                                                      u * half + 2 * p0, u * half + 2 * p1);
+    }
+#pragma omp barrier
+}
+
 /* SwiGLU of gate_up [rows, 2 inter] (gate, up) as the down projection takes it (prepare_rows): int8 rows
- * through act [rows, inter] fp32 into int8 blocks, bf16 rows straight into their tiles (amx_swiglu_row). */
-static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act, Blocks *a, const Rows *r) {
+ * through act [rows, inter] fp32 into int8 blocks, bf16 rows straight into their tiles (amx_swiglu_row), unless
+ * `bf16_done` (gate_up_swiglu wrote theirs). */
+static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act, Blocks *a, const Rows *r, int bf16_done) {
     const int64_t groups = inter / GROUP;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         if (r->xb && r->row_bf16[t]) {
-            amx_swiglu_row(gate_up + t * 2 * inter, inter, t, r->xb);
+            if (!bf16_done) amx_swiglu_row(gate_up + t * 2 * inter, inter, t, r->xb);
             continue;
         }
         swiglu_row(gate_up + t * 2 * inter, inter, act + t * inter);
@@ -649,6 +682,7 @@ static void free_rows(Rows *r) {
     free(r->bf16);
     free(r->row_bf16);
     free(r->xb);
+    free(r->xo);
     free(r->wb);
 }
 
@@ -686,14 +720,17 @@ static int plan_rows(const Decoder *m, const Batch *b, int threads, int64_t wide
     /* tiles past T's up to a whole pair are read (and their results dropped): zeros */
     const size_t xb_bytes = sizeof(uint16_t) * (size_t)(((T + 15) / 16 * 16 + 32) * widest);
     r->xb = aligned_alloc(64, xb_bytes);
-    int64_t widest_k = 0; /* a panel holds at least two blocks */
+    r->xo = aligned_alloc(64, xb_bytes);
+    int64_t widest_k = 0; /* a panel holds at least two blocks, and gate_up_swiglu's four */
     const Layer *y = &m->layers[0];
     const QWeight *ws[4] = {&y->qkv, &y->o, &y->gate_up, &y->down};
     for (int i = 0; i < 4; i++) widest_k = ws[i]->k > widest_k ? ws[i]->k : widest_k;
     r->wb_size = PANEL_VALUES > 2 * widest_k * 16 ? PANEL_VALUES : 2 * widest_k * 16;
+    r->wb_size = r->wb_size > 4 * y->gate_up.k * 16 ? r->wb_size : 4 * y->gate_up.k * 16;
     r->wb = aligned_alloc(64, sizeof(uint16_t) * (size_t)(r->wb_size * threads));
-    if (!r->xb || !r->wb) return -1;
+    if (!r->xb || !r->xo || !r->wb) return -1;
     memset(r->xb, 0, xb_bytes);
+    memset(r->xo, 0, xb_bytes);
     return 0;
 }
 
@@ -723,6 +760,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int runs_failed = plan_runs(m, b, threads, &runs);
     Rows row_plan;
     const int rows_failed = plan_rows(m, b, threads, widest, &row_plan);
+    /* bf16 rows: gate_up and SwiGLU in one pass, whose output the down projection reads as its bf16 rows */
+    const int fused_swiglu = !rows_failed && row_plan.xb && !m->split_swiglu;
+    Rows down_plan = row_plan;
+    if (fused_swiglu) down_plan.xb = row_plan.xo;
     float *h = malloc(sizeof(float) * T * H);                                   /* norms, o and down outputs */
     float *wide = malloc(sizeof(float) * T * (qkv_width > 2 * I ? qkv_width : 2 * I)); /* qkv, gate_up */
     float *act = malloc(sizeof(float) * T * widest);                            /* attention, SwiGLU */
@@ -854,9 +895,12 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 rms_norm(x, layer->post_norm, T, H, m->eps, h);
                 prepare_rows(h, T, H, &a, &row_plan);
                 MARK(PHASE_MLP_IN)
-                project(&layer->gate_up, &a, &row_plan, T, wide);
+                if (fused_swiglu)
+                    gate_up_swiglu(&layer->gate_up, &a, &row_plan, I, wide);
+                else
+                    project(&layer->gate_up, &a, &row_plan, T, wide);
                 MARK(PHASE_GATE_UP)
-                swiglu(wide, T, I, act, &a, &row_plan);
+                swiglu(wide, T, I, act, &a, &row_plan, fused_swiglu);
                 MARK(PHASE_SWIGLU)
                 if (l + 1 < m->num_layers) {
                     const Layer *next = &m->layers[l + 1];
@@ -871,7 +915,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         }
                     }
                 }
-                project(&layer->down, &a, &row_plan, T, h);
+                project(&layer->down, &a, &down_plan, T, h);
                 if (m->reduce && all_reduce(m->reduce, h, T * H, &reduce_status, &late_rank)) break;
                 add_rows(x, h, T, H);
                 MARK(PHASE_DOWN)

@@ -180,6 +180,8 @@ void amx_bf16_row(const float *x, int64_t k, int64_t t, uint16_t *xb);
 void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb);
 void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, float *out,
                      int64_t b0, int64_t b1);
+void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, int64_t inter,
+                            int64_t p0, int64_t p1, uint16_t *xo);
 void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
                    const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,

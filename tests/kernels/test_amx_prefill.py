@@ -132,6 +132,35 @@ def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_o
     assert torch.equal(both[1:], read(decoder, kv, "d", prompt_rows, 0, 70))
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_gate_up_and_swiglu_in_one_pass_equal_two_passes_bit_for_bit(kind, monkeypatch):
+    """A step of two prompt chunks (one starting mid-tile, after a decode row; one over cached tokens) and two
+    decode rows: with the prompt rows' gate_up and SwiGLU in one pass, every row and the K/V written are what the
+    two passes give, bit for bit."""
+    model = model64(2, kind)
+    x = [torch.randn(n, HIDDEN) for n in (1, 37, 1, 70)]
+    outputs, caches = [], []
+    for split in (False, True):
+        monkeypatch.setattr(fused_decoder, "SPLIT_SWIGLU", split)
+        kv = cache(128)
+        torch.manual_seed(3)
+        for layer in range(2):
+            kv.k[layer].normal_()
+            kv.v[layer].normal_()
+        decoder = fused_decoder.FusedDecoder(model, kv)
+        seqs, positions = [], []
+        shapes = ((1, 30, 0), (37, 0, 37), (1, 12, 0), (70, 21, 70))  # (rows, cached tokens, prompt rows)
+        for name, (rows, start, prompt) in zip("abcd", shapes, strict=True):
+            kv.allocate(name, start + rows)
+            seqs.append(SequenceLayout(kv.block_tables[name], start, rows, num_prompt=prompt))
+            positions.append(torch.arange(start, start + rows))
+        meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+        outputs.append(decoder(torch.cat(x), torch.cat(positions), meta))
+        caches.append((kv.k.clone(), kv.v.clone()))
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 def errors_against_fp64(model: LlamaModel, kv: PagedKVCache, seqs: list[SequenceLayout], ids, positions,
                         int8_blocks: bool = True):  # fmt: skip
     """(fused decoder, eager layers) largest errors relative to the layers in fp64 (activations as int8
