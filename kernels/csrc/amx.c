@@ -297,6 +297,29 @@ AMX_FN void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint1
  * readable up to a whole pair of tiles) and the blocks' bf16 tiles wb (amx_bf16_weights). Sums are fp32 in the
  * tiles over all of k; each row's result depends on its own activations only. Two tiles of rows at a time
  * (in L1) against every pair of blocks (wb, which should fit in L2). */
+/* Tiles 0-3 = the fp32 sums over `groups` groups of 32 inputs of 16 rows x0 against block w0 (tile 0) and w1 (1),
+ * and of 16 rows x1 against w0 (2) and w1 (3), rows and blocks as amx_bf16_row and amx_bf16_weights lay them out;
+ * with `two` 0, w1 is not read and tiles 1 and 3 stay zero. */
+static inline AMX_FN __attribute__((always_inline)) void bf16_tiles(const uint16_t *x0, const uint16_t *x1, const uint16_t *w0,
+                                                                   const uint16_t *w1, int64_t groups, int two) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t g = 0; g < groups; g++) {
+        _tile_loadd(4, x0 + g * 512, 64);
+        _tile_loadd(6, w0 + g * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, x1 + g * 512, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, w1 + g * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
 AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1,
                             float *out, int64_t b0, int64_t b1) {
     const int64_t groups = k / GROUP;
@@ -308,22 +331,7 @@ AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint
         for (int64_t b = b0; b < b1; b += 2) {
             const int two = b + 1 < b1;
             const uint16_t *w0 = wb + (b - b0) * groups * 512, *w1 = w0 + groups * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                _tile_loadd(4, x0 + g * 512, 64);
-                _tile_loadd(6, w0 + g * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(5, x1 + g * 512, 64);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) {
-                    _tile_loadd(7, w1 + g * 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            bf16_tiles(x0, x1, w0, w1, groups, two);
             if (whole) {
                 _tile_stored(0, out + t0 * n + 16 * b, 4 * n);
                 _tile_stored(2, out + (t0 + 16) * n + 16 * b, 4 * n);
@@ -355,26 +363,13 @@ AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint
 AMX_FN void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1,
                                    int64_t inter, int64_t p0, int64_t p1, uint16_t *xo) {
     const int64_t groups = k / GROUP, block = groups * 512, blocks = 2 * (p1 - p0);
-    float part[4][16][16] __attribute__((aligned(64))); /* gate rows 0-15, gate rows 16-31, up rows 0-15, up 16-31 */
+    float part[4][16][16] __attribute__((aligned(64))); /* gate rows 0-15, up rows 0-15, gate rows 16-31, up 16-31 */
     config_bf16();
     for (int64_t t0 = r0 / 16 * 16; t0 < r1; t0 += 32) {
         const uint16_t *x0 = x + t0 * k, *x1 = x0 + 16 * k;
         for (int64_t j = 0; j < blocks; j++) {
             const uint16_t *gate = wb + j * block, *up = wb + (blocks + j) * block;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                _tile_loadd(4, x0 + g * 512, 64);
-                _tile_loadd(6, gate + g * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(5, x1 + g * 512, 64);
-                _tile_dpbf16ps(1, 5, 6);
-                _tile_loadd(7, up + g * 512, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            bf16_tiles(x0, x1, gate, up, groups, 1);
             _tile_stored(0, part[0], 64);
             _tile_stored(1, part[1], 64);
             _tile_stored(2, part[2], 64);
@@ -383,7 +378,7 @@ AMX_FN void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t
             for (int64_t r = 0; r < 32; r++) {
                 const int64_t t = t0 + r;
                 if (t < r0 || t >= r1) continue;
-                const __m512 y = swiglu_16(_mm512_load_ps(part[r / 16][r % 16]), _mm512_load_ps(part[2 + r / 16][r % 16]));
+                const __m512 y = swiglu_16(_mm512_load_ps(part[2 * (r / 16)][r % 16]), _mm512_load_ps(part[2 * (r / 16) + 1][r % 16]));
                 _mm256_store_si256((__m256i *)(xo + (t / 16) * 16 * inter + column + 32 * (t % 16)), (__m256i)_mm512_cvtneps_pbh(y));
             }
         }
