@@ -270,8 +270,7 @@ static inline AMX_FN __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Row t of SwiGLU(gate, up) = gate sigmoid(gate) up (gate_up: the row's gate then up, inter values each) in
- * amx_bf16_row's layout, from fp32 sums (sigmoid through 2^x and a refined reciprocal: about fp32's accuracy
+/* SwiGLU = gate sigmoid(gate) up of 16 values (sigmoid through 2^x and a refined reciprocal: about fp32's accuracy
  * before the rounding to bf16). */
 static inline AMX_FN __m512 swiglu_16(__m512 gate, __m512 up) {
     const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), minus_log2e = _mm512_set1_ps(-1.44269504088896341f);
@@ -283,6 +282,8 @@ static inline AMX_FN __m512 swiglu_16(__m512 gate, __m512 up) {
     return _mm512_mul_ps(_mm512_mul_ps(gate, inv), up);
 }
 
+/* Row t of SwiGLU(gate, up) (gate_up: the row's gate then up, inter values each) in amx_bf16_row's layout, from fp32
+ * sums. */
 AMX_FN void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint16_t *xb) {
     uint16_t *row = xb + (t / 16) * 16 * inter + (t % 16) * 32;
     for (int64_t g = 0; g < inter / GROUP; g++) {
@@ -292,11 +293,6 @@ AMX_FN void amx_swiglu_row(const float *gate_up, int64_t inter, int64_t t, uint1
     }
 }
 
-/* Rows [r0, r1) of out [.., n] fp32, blocks [b0, b1) = x @ W.T for bf16 activations x in amx_bf16_row's layout
- * (whole tiles of 16 rows are read from r0 / 16: rows outside [r0, r1) are computed and dropped, and must be
- * readable up to a whole pair of tiles) and the blocks' bf16 tiles wb (amx_bf16_weights). Sums are fp32 in the
- * tiles over all of k; each row's result depends on its own activations only. Two tiles of rows at a time
- * (in L1) against every pair of blocks (wb, which should fit in L2). */
 /* Tiles 0-3 = the fp32 sums over `groups` groups of 32 inputs of 16 rows x0 against block w0 (tile 0) and w1 (1),
  * and of 16 rows x1 against w0 (2) and w1 (3), rows and blocks as amx_bf16_row and amx_bf16_weights lay them out;
  * with `two` 0, w1 is not read and tiles 1 and 3 stay zero. */
@@ -320,6 +316,11 @@ static inline AMX_FN __attribute__((always_inline)) void bf16_tiles(const uint16
     }
 }
 
+/* Rows [r0, r1) of out [.., n] fp32, blocks [b0, b1) = x @ W.T for bf16 activations x in amx_bf16_row's layout
+ * (whole tiles of 16 rows are read from r0 / 16: rows outside [r0, r1) are computed and dropped, and must be
+ * readable up to a whole pair of tiles) and the blocks' bf16 tiles wb (amx_bf16_weights). Sums are fp32 in the
+ * tiles over all of k; each row's result depends on its own activations only. Two tiles of rows at a time
+ * (in L1) against every pair of blocks (wb, which should fit in L2). */
 AMX_FN void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x, int64_t r0, int64_t r1,
                             float *out, int64_t b0, int64_t b1) {
     const int64_t groups = k / GROUP;
