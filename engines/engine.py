@@ -19,7 +19,7 @@ from engines.cuda_graphs import StepGraphs, graph_buckets
 from engines.drafters.factory import make_drafter
 from engines.engine_config import EngineConfig
 from engines.errors import ContextLengthError, InvalidRequestError
-from engines.kv_cache import PagedKVCache, kv_cache_dtype
+from engines.kv_cache import PagedKVCache, kv_cache_dtype, parse_kv_cache_dtype
 from engines.loader import cache_root, load_model, parse_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus, TokenLogprob
@@ -33,6 +33,7 @@ from engines.spec_params import SpecParams
 from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
+from kernels import fused_decoder
 from kernels.dispatch import set_kernel_mode
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,7 @@ class LLMEngine:
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
         cfg = self.model_config
-        kv_setting = None if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
-        dtype = kv_cache_dtype(kv_setting, parse_dtype(config.dtype), self.device)
+        dtype = kv_cache_dtype(parse_kv_cache_dtype(config.kv_cache_dtype), parse_dtype(config.dtype), self.device)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             # per rank: the rank holding the most KV heads sets the block count every rank uses
@@ -132,14 +132,21 @@ class LLMEngine:
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
         chunk = config.prefill_chunk_tokens or (256 if self.device.type == "cpu" else 2048)
+        step_tokens = config.max_num_batched_tokens
+        if dtype == torch.int8:  # only the fused decoder reads int8 codes: every step goes through it
+            if config.enforce_eager or not fused_decoder.applies(self.model, self.kv_cache):
+                raise ValueError(
+                    "kv_cache_dtype int8 runs on the fused CPU decoder only: a CPU device, integer-dot weights "
+                    "(quantization gguf, int4 or int8), kernels auto and enforce_eager false"
+                )
+            step_tokens = min(step_tokens, fused_decoder.max_rows())
+            chunk = min(chunk, step_tokens)
         # A token's projections cost 2 x params FLOPs; attending over one more key, 4 x heads x head_dim
         # per layer: past this many context keys a prompt token's attention outweighs its projections.
         params = sum(p.numel() for p in self.model.parameters()) - self.model.embed_tokens.weight.numel()
         params += self.model.lm_head_weight.numel() if self.model.lm_head is None else 0
         keys_per_token = 2 * params / (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
-        self.scheduler = Scheduler(
-            self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens, chunk, keys_per_token
-        )
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, step_tokens, chunk, keys_per_token)
         if self.workers is None:
             graphs = None
             if self.device.type == "cuda" and not config.enforce_eager and config.kernels != "torch":

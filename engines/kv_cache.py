@@ -33,6 +33,18 @@ def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
     return True
 
 
+def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """A `kv_cache_dtype` setting as a torch dtype: None for "auto", torch.int8 for "int8" (codes with a scale per
+    token and KV head), else a float dtype name (`engines.loader.parse_dtype`)."""
+    from engines.loader import parse_dtype
+
+    if name == "auto":
+        return None
+    if name.lower() == "int8":
+        return torch.int8
+    return parse_dtype(name)
+
+
 def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: `setting`, or for None ("auto") the model's, except fp32 on a CPU that would
     emulate the model's half-precision arithmetic."""
@@ -41,6 +53,22 @@ def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device
     if device.type == "cpu" and not cpu_has_half_precision_math(model_dtype):
         return torch.float32
     return model_dtype
+
+
+@torch.no_grad()
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] as an int8 cache holds it: codes round(x * 127 / max |x|) per row and the row's scale
+    max |x| / 127 (fp32, [...]); a zero row has codes and scale 0. The same numbers as decoder.c's store_row."""
+    x = x.float()
+    most = x.abs().amax(dim=-1)
+    inv = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
+    codes = torch.round(x * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return codes, most / 127.0
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An int8 cache's rows as values: codes * scale (fp32), in `dtype`."""
+    return (codes.float() * scales.unsqueeze(-1)).to(dtype)
 
 
 @torch.no_grad()
@@ -197,6 +225,12 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # int8 codes: a value is code * scale, one fp32 scale per slot and KV head ([layers, slots, kv_heads])
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
         self.block_tables: dict[str, list[int]] = {}
         self.prefix_caching = enable_prefix_caching
         # Tokens past a block that its hash also covers: 1 where a drafter keeps K/V in these blocks
@@ -213,9 +247,17 @@ class PagedKVCache:
         """Tokens the whole cache can hold."""
         return self.num_blocks * self.block_size
 
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype the cache's values are read in: its own, or bf16 for int8 codes (a drafter's own cache
+        beside this one takes it)."""
+        return torch.bfloat16 if self.k.dtype == torch.int8 else self.k.dtype
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Memory one token's K and V take across all layers."""
+        """Memory one token's K and V take across all layers (an int8 cache's scales included)."""
+        if dtype == torch.int8:
+            return 2 * num_layers * num_kv_heads * (head_dim + 4)
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def usage(self) -> float:
@@ -291,6 +333,8 @@ class PagedKVCache:
         if src:
             index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
             copy_slots(self.k, self.v, index[0], index[1])
+            if self.k_scale is not None and self.v_scale is not None:
+                copy_slots(self.k_scale, self.v_scale, index[0], index[1])
 
     def commit_paths(self, commits: list[tuple[str, int, list[int]]]) -> None:
         """`path_moves`, then the moves on this cache (the engine sends them through its model runner,

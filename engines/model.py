@@ -345,6 +345,8 @@ class LlamaModel(nn.Module):
         if fused is not None:  # every layer and the final norm in one call
             hidden = fused(self.embed_tokens(input_ids).float(), positions, meta).to(self.dtype)
         else:
+            if kv_cache.k.dtype == torch.int8:
+                raise RuntimeError("an int8 KV cache is read by the fused CPU decoder only; this step cannot take it")
             x = self.embed_tokens(input_ids).to(self.compute_dtype)
             cos, sin = self.rotary(positions, kv_cache.k.dtype)
             for i, layer in enumerate(self.layers):

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from engines import shm_all_reduce, shm_channel
-from engines.kv_cache import PagedKVCache
-from engines.loader import load_model, parse_dtype
+from engines.kv_cache import PagedKVCache, parse_kv_cache_dtype
+from engines.loader import load_model
 from engines.model_runner import ModelRunner, StepResult
 from engines.parallel import TensorParallel
 from engines.shm_all_reduce import SharedMemoryAllReduce
@@ -128,7 +128,7 @@ class Channel:
 def make_cache(model_layers: int, kv_heads: int, head_dim: int, spec: CacheSpec, device: torch.device) -> PagedKVCache:
     """A rank's KV cache: the same blocks as every rank's, its own KV heads."""
     return PagedKVCache(
-        model_layers, kv_heads, head_dim, spec.num_blocks, spec.block_size, parse_dtype(spec.dtype), device
+        model_layers, kv_heads, head_dim, spec.num_blocks, spec.block_size, parse_kv_cache_dtype(spec.dtype), device
     )
 
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
 MAX_ROWS = 64
 MANY_ROWS = 16384  # rows of one call with AMX (whole prompt chunks)
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: codes beside per-row scales
 # Prompt tokens' projections in bf16 tiles on AMX CPUs (amx.c's amx_bf16_blocks over the weights dequantized a
 # panel at a time); off (`LYANNA_PROMPT_BF16=0`), they go through the int8 blocks that decoding uses.
 PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "1") != "0"
@@ -79,6 +79,8 @@ class _Layer(ctypes.Structure):
         ("k_cache", _p),
         ("v_cache", _p),
         ("qkv_bias", _p),
+        ("k_scale", _p),
+        ("v_scale", _p),
     ]
 
 
@@ -105,6 +107,7 @@ class _Decoder(ctypes.Structure):
         ("final_norm", _p),  # [hidden] fp32 or NULL: the model's final norm on the last layer's output
         ("prompt_bf16", _i64),  # 1: prompt runs' projections in bf16 tiles (AMX)
         ("split_swiglu", _i64),  # 1: their gate_up and SwiGLU in two passes (SPLIT_SWIGLU)
+        ("cache_int8", _i64),  # 1: int8 codes in k_cache / v_cache, a scale per slot and KV head in k_scale / v_scale
     ]
 
 
@@ -239,7 +242,8 @@ def layer_weights(layer) -> LayerWeights:
 
 class _Layers:
     """The C view of some decoder layers over a paged cache (`cache.k`, `cache.v`: [layers, slots, kv_heads,
-    head_dim]), holding every tensor its pointers point into.
+    head_dim]; for int8 codes also `cache.k_scale`, `cache.v_scale`: [layers, slots, kv_heads]), holding every
+    tensor its pointers point into.
 
     The view is taken from the model's tensors as they are when it is built; `run` builds it again when any
     of them was swapped since (a projection's quantized weight replaced, a norm's or rotary table's `.data`
@@ -262,6 +266,7 @@ class _Layers:
         the projections' quantized weights (held by the view, so their ids are not reused while it lives)."""
         r, c = self.rotary, self.cache
         ids = [r.cos.data_ptr(), r.sin.data_ptr(), c.k.data_ptr(), c.v.data_ptr()]
+        ids += [t.data_ptr() for t in (getattr(c, "k_scale", None), getattr(c, "v_scale", None)) if t is not None]
         ids.append(0 if self.final_norm is None else self.final_norm.data_ptr())
         for lw in self.layers:
             ids += (lw.input_norm.data_ptr(), lw.post_attn_norm.data_ptr(), id(lw.qkv_proj.quant),
@@ -280,16 +285,22 @@ class _Layers:
         if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(layers) or k.shape[2:] != (Hk, D):
             raise ValueError(f"the cache is {list(k.shape)}, the layers read [{len(layers)}, slots, {Hk}, {D}]")
         if k.dtype not in CACHE_DTYPES or v.dtype != k.dtype or k.device.type != "cpu" or k.shape[1] % bs:
-            raise ValueError("the cache must be fp32 or bf16 on CPU, a whole number of blocks")
+            raise ValueError("the cache must be fp32, bf16 or int8 on CPU, a whole number of blocks")
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the cache must be contiguous")
+        k_scale = v_scale = None
+        if k.dtype == torch.int8:
+            k_scale, v_scale = self.cache.k_scale.detach(), self.cache.v_scale.detach()
+            for t in (k_scale, v_scale):
+                if t.shape != k.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
+                    raise ValueError(f"an int8 cache's scales must be contiguous CPU fp32 {list(k.shape[:3])}")
         cos, sin = _held(self.rotary.cos, torch.float32), _held(self.rotary.sin, torch.float32)
         if cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError(f"the rotary tables are {list(cos.shape)}, the layers read [positions, {D}]")
         sources = self._sources()
         # The tensors the structs point into, and what `sources` names (a norm's own storage where `held` has
         # an fp32 copy, the quantized weights): while held, no new tensor or weight can reuse their addresses.
-        held: list[object] = [cos, sin, k, v, self.rotary.cos.detach(), self.rotary.sin.detach()]
+        held: list[object] = [cos, sin, k, v, k_scale, v_scale, self.rotary.cos.detach(), self.rotary.sin.detach()]
         structs = []
         for i, lw in enumerate(layers):
             held += [lw.input_norm.detach(), lw.post_attn_norm.detach()]
@@ -312,9 +323,9 @@ class _Layers:
                 _qweight(lw.down_proj, H, inter, held),
             ]
             bias_ptr = None if bias is None else bias.data_ptr()
-            structs.append(
-                _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr(), bias_ptr)
-            )
+            scales = (None, None) if k_scale is None else (k_scale[i].data_ptr(), v_scale[i].data_ptr())
+            structs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k[i].data_ptr(), v[i].data_ptr(),
+                                  bias_ptr, *scales))  # fmt: skip
         final_norm = None
         if self.final_norm is not None:
             final_norm = _held(self.final_norm, torch.float32)
@@ -345,6 +356,7 @@ class _Layers:
             final_norm=None if final_norm is None else final_norm.data_ptr(),
             prompt_bf16=int(self.prompt_bf16),
             split_swiglu=int(self.split_swiglu),
+            cache_int8=int(k.dtype == torch.int8),
         )
         self._sources_at_build = sources
 

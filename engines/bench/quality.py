@@ -1,6 +1,7 @@
 """How much each weight setting changes the model: held-out ShareGPT answers scored token by token.
 
     python -m engines.bench.quality --num 32 --settings none,int8,int4,gguf [--kernels torch] [--numerics prompt]
+        [--kv-cache-dtypes auto,int8]
 
 For each validation-split conversation (the first user turn and the assistant's answer, rendered with
 the chat template, capped at `--max-tokens`), every setting computes the log-likelihood of each answer
@@ -8,7 +9,8 @@ token given what precedes it, in one forward over the sequence whose every row r
 kernels, as decoding's steps do (`decode_numerics`). The reference is the fp32 model on the
 dequantized checkpoint. Per setting: the mean log-likelihood per answer token, its relative change
 against the reference, and how often the setting's argmax equals the reference's (greedy agreement,
-teacher-forced). One JSON line.
+teacher-forced). With `--kv-cache-dtypes`, each setting is scored over each KV cache dtype (`auto`: the
+model's; a setting over another is reported as `<setting>/kv:<dtype>`). One JSON line.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from engines.attention import SequenceLayout, build_attention_metadata
 from engines.datasets import iter_sharegpt, sharegpt_messages
 from engines.engine_config import add_engine_args
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, parse_kv_cache_dtype
 from engines.loader import load_model
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
@@ -53,15 +55,17 @@ def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> lis
 
 @torch.inference_mode()
 def answer_logprobs(
-    model: LlamaModel, tokens: list[int], start: int, as_prompt: bool = False
+    model: LlamaModel, tokens: list[int], start: int, as_prompt: bool = False, kv_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-likelihoods of tokens[start:] given their prefixes ([n] fp32), and the argmax before each. The
     conversation is read in chunks of `fused_decoder.MAX_ROWS` tokens, the steps a decode or a verified
     draft takes (on the fused CPU decoder a row's result does not depend on its chunk, so each token is
     scored exactly as decoding it would compute it), or, `as_prompt`, as prompt tokens (the numerics a
-    prompt is read with: on AMX CPUs bf16 projections and attention runs)."""
+    prompt is read with: on AMX CPUs bf16 projections and attention runs). `kv_dtype`: the cache's (None: the
+    model's)."""
     cfg, n, block = model.cfg, len(tokens), 16
-    kv_dtype = torch.float32 if model.compute_dtype == torch.float32 else model.dtype
+    if kv_dtype is None:
+        kv_dtype = torch.float32 if model.compute_dtype == torch.float32 else model.dtype
     kv = PagedKVCache(cfg.num_layers, model.attn_kv_heads, cfg.head_dim, -(-n // block), block, kv_dtype, "cpu")
     kv.allocate("x", n)
     logits = []
@@ -99,7 +103,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--settings", default="none,int8,int4,gguf", help="quantization settings to score (bf16)")
     ap.add_argument("--numerics", choices=["decode", "prompt"], default="decode",
                     help="score every token as decoding computes it, or as a prompt's token is read")  # fmt: skip
+    ap.add_argument("--kv-cache-dtypes", default="auto",
+                    help="KV cache dtypes to score each setting over: auto (the model's), bf16, int8")  # fmt: skip
     args = ap.parse_args(argv)
+    kv_dtypes = args.kv_cache_dtypes.split(",")
+    for name in kv_dtypes:
+        parse_kv_cache_dtype(name)
     set_kernel_mode(args.kernels)
     reference = load_model(args.model, "float32", "cpu", quantization="none")
     tokenizer = Tokenizer(reference.checkpoint)
@@ -120,16 +129,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
             loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
         decode_numerics(loaded.model)
-        got = [answer_logprobs(loaded.model, t, s, args.numerics == "prompt") for t, s in convs]
-        ll = torch.cat([lp for lp, _ in got])
-        agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
-        result["settings"][setting] = {
-            "mean_loglik": float(ll.mean()),
-            "relative_change": float((ll.mean() - ref_ll.mean()) / ref_ll.mean().abs()),
-            "mean_abs_token_diff": float((ll - ref_ll).abs().mean()),
-            "greedy_agreement": float(agree),
-            "weight_bytes": sum(_weight_bytes(loaded.model)),
-        }
+        for kv_name in kv_dtypes:
+            kv_dtype = parse_kv_cache_dtype(kv_name)
+            got = [answer_logprobs(loaded.model, t, s, args.numerics == "prompt", kv_dtype) for t, s in convs]
+            ll = torch.cat([lp for lp, _ in got])
+            agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
+            result["settings"][setting if kv_name == "auto" else f"{setting}/kv:{kv_name}"] = {
+                "mean_loglik": float(ll.mean()),
+                "relative_change": float((ll.mean() - ref_ll.mean()) / ref_ll.mean().abs()),
+                "mean_abs_token_diff": float((ll - ref_ll).abs().mean()),
+                "greedy_agreement": float(agree),
+                "weight_bytes": sum(_weight_bytes(loaded.model)),
+            }
     print(json.dumps(result))
     return result
 

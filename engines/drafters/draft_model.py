@@ -45,7 +45,7 @@ class DraftModelDrafter(Drafter):
             cfg.head_dim,
             engine.kv_cache.num_blocks,
             engine.kv_cache.block_size,
-            engine.kv_cache.k.dtype,
+            engine.kv_cache.value_dtype,
             loaded.device,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device)

@@ -267,5 +267,5 @@ def fused_draft_layer(model: LyannaDraftModel, kv_cache, max_seqs: int) -> Fused
     # The later draft steps' positions past a request's full context blocks (a copy of its partial last
     # block, then up to MAX_DRAFT_DEPTH positions: EAGLE's frontier paths).
     scratch = -(-(MAX_DRAFT_DEPTH + bs - 1) // bs)
-    return FusedDraftLayer(model.cfg.target, model.rotary, layer, kv_cache.num_blocks, bs, kv_cache.k.dtype,
+    return FusedDraftLayer(model.cfg.target, model.rotary, layer, kv_cache.num_blocks, bs, kv_cache.value_dtype,
                            scratch, max_seqs)  # fmt: skip

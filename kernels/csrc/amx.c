@@ -411,32 +411,71 @@ static inline AMX_FN __attribute__((always_inline)) void transpose16(__m512i *r,
 
 #define PACK_AHEAD 16 /* keys whose rows amx_pack_keys requests ahead of laying them out */
 
-/* Requests keys [from, to)'s K and V rows of one KV head (bf16, `dim` values) into L1. */
-static inline void prefetch_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                                 const int64_t *slots, int64_t from, int64_t to) {
-    for (int64_t j = from; j < to; j++)
-        for (int64_t at = 0; at < dim; at += 32) { /* 64 bytes of bf16 */
-            _mm_prefetch((const char *)(k_cache + slots[j] * row + kv_head * dim + at), _MM_HINT_T0);
-            _mm_prefetch((const char *)(v_cache + slots[j] * row + kv_head * dim + at), _MM_HINT_T0);
+static const uint16_t zero_row[128] = {0}; /* the values of padding keys (dim <= 128) */
+
+/* Requests keys [from, to)'s K and V rows of one KV head (`dim` values) into L1, and their scales (int8 cache). */
+static inline void prefetch_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t from,
+                                 int64_t to) {
+    const int64_t size = kv->k_scale ? 1 : 2;
+    for (int64_t j = from; j < to; j++) {
+        const int64_t at = (slots[j] * kv->row + kv_head * dim) * size;
+        for (int64_t b = 0; b < dim * size; b += 64) {
+            _mm_prefetch((const char *)kv->k + at + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)kv->v + at + b, _MM_HINT_T0);
         }
+        if (kv->k_scale) {
+            _mm_prefetch((const char *)(kv->k_scale + slots[j] * kv->kv_heads + kv_head), _MM_HINT_T0);
+            _mm_prefetch((const char *)(kv->v_scale + slots[j] * kv->kv_heads + kv_head), _MM_HINT_T0);
+        }
+    }
 }
 
-/* One sequence's keys and values 0..n of one KV head (slots[i]: the cache slot of key i; cache rows `row`
- * values apart, bf16) laid out for amx_attend_run's tiles, keys n.. zero: kr [keys / 16][dim / 32][16][32]
- * (a tile of 16 keys x 32 dims is 1 KiB in a row), vt [keys / 32][dim][32] (V transposed per 32 keys).
- * Keys [k0, k1) only, multiples of 32. */
-AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                          const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
+/* Row j of one KV head of `cache` as `dim` bf16 values: the cache's own row where it holds bf16; for int8 codes,
+ * code * scale rounded to nearest even, written to buf (dim a multiple of 32). */
+static inline AMX_FN const uint16_t *bf16_row_of(const void *cache, const float *scale, const KVRows *kv, int64_t slot,
+                                                int64_t kv_head, int64_t dim, uint16_t *buf) {
+    const int64_t at = slot * kv->row + kv_head * dim;
+    if (!scale) return (const uint16_t *)cache + at;
+    const int8_t *codes = (const int8_t *)cache + at;
+    const __m512 s = _mm512_set1_ps(scale[slot * kv->kv_heads + kv_head]);
+    for (int64_t d = 0; d < dim; d += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d + 16))));
+        _mm512_storeu_si512((void *)(buf + d), (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s)));
+    }
+    return buf;
+}
+
+/* The K and V rows of keys [j0, j0 + 32) of one KV head as bf16 (bf16_row_of; int8 rows go to kbuf and vbuf,
+ * [32][dim] each), keys n.. the zero row. */
+static inline AMX_FN void key_rows(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t j0,
+                                   int64_t n, uint16_t *kbuf, uint16_t *vbuf, const uint16_t **keys,
+                                   const uint16_t **values) {
+    for (int64_t j = 0; j < 32; j++) {
+        if (j0 + j >= n) {
+            keys[j] = values[j] = zero_row;
+            continue;
+        }
+        keys[j] = bf16_row_of(kv->k, kv->k_scale, kv, slots[j0 + j], kv_head, dim, kbuf + j * dim);
+        values[j] = bf16_row_of(kv->v, kv->v_scale, kv, slots[j0 + j], kv_head, dim, vbuf + j * dim);
+    }
+}
+
+/* One sequence's keys and values 0..n of one KV head (slots[i]: the cache slot of key i) laid out for
+ * amx_attend_run's tiles, keys n.. zero: kr [keys / 16][dim / 32][16][32] (a tile of 16 keys x 32 dims is 1 KiB in
+ * a row), vt [keys / 32][dim][32] (V transposed per 32 keys). Keys [k0, k1) only, multiples of 32. */
+AMX_FN void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kr,
+                          uint16_t *vt, int64_t k0, int64_t k1) {
     /* The keys' rows are scattered over the cache's blocks, and cold: requested PACK_AHEAD keys ahead of their
      * use, they arrive while earlier keys are laid out (32 decodes attended in 8.9 against 11.9 ms a step). */
     const int64_t last = k1 < n ? k1 : n;
-    prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, k0, k0 + PACK_AHEAD < last ? k0 + PACK_AHEAD : last);
+    uint16_t kbuf[32 * 128], vbuf[32 * 128]; /* int8 rows as bf16 */
+    prefetch_keys(kv, kv_head, dim, slots, k0, k0 + PACK_AHEAD < last ? k0 + PACK_AHEAD : last);
     for (int64_t j0 = k0; j0 < k1; j0 += 32) {
-        static const uint16_t zeros[128] = {0}; /* the values of padding keys (dim <= 128) */
-        const uint16_t *values[32];
+        const uint16_t *keys[32], *values[32];
         const int64_t ahead = j0 + 32 + PACK_AHEAD < last ? j0 + 32 + PACK_AHEAD : last;
-        prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
-        for (int64_t j = 0; j < 32; j++) values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : zeros;
+        prefetch_keys(kv, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
+        key_rows(kv, kv_head, dim, slots, j0, n, kbuf, vbuf, keys, values);
         uint32_t *block = (uint32_t *)(vt + j0 * dim); /* [dim][16 key pairs]: key 2i in the low half of pair i */
         for (int64_t d0 = 0; d0 < dim; d0 += 16) {
             __m512i r[16], a[16], b[16];
@@ -449,12 +488,7 @@ AMX_FN void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int6
         }
         for (int64_t j = j0; j < j0 + 32; j++) {
             uint16_t *tile = kr + (j / 16) * 16 * dim + (j % 16) * 32;
-            for (int64_t h = 0; h < dim / 32; h++) {
-                if (j < n)
-                    memcpy(tile + h * 512, k_cache + slots[j] * row + kv_head * dim + 32 * h, 32 * sizeof(uint16_t));
-                else
-                    memset(tile + h * 512, 0, 32 * sizeof(uint16_t));
-            }
+            for (int64_t h = 0; h < dim / 32; h++) memcpy(tile + h * 512, keys[j - j0] + 32 * h, 32 * sizeof(uint16_t));
         }
     }
 }
@@ -673,19 +707,16 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
  * dims, [keys / 32][dim / 32][2][16][16] pairs (keys 2i, 2i + 1 of a dim in one pair of row i): the dims in the
  * order in which 16-bit interleaves leave them (the first tile dims 0-3, 8-11, 16-19, 24-27 of the 32, the second
  * 4-7, 12-15, 20-23, 28-31), which amx_attend_heads undoes on its output. */
-AMX_FN void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head,
-                                int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp) {
-    static const uint16_t zeros[128] = {0}; /* a padding key's row (dim <= 128) */
+AMX_FN void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n,
+                                uint16_t *kt, uint16_t *vp) {
     const int64_t padded = (n + 31) / 32 * 32;
-    prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, 0, PACK_AHEAD < n ? PACK_AHEAD : n);
+    uint16_t kbuf[32 * 128], vbuf[32 * 128]; /* int8 rows as bf16 */
+    prefetch_keys(kv, kv_head, dim, slots, 0, PACK_AHEAD < n ? PACK_AHEAD : n);
     for (int64_t j0 = 0; j0 < padded; j0 += 32) {
         const uint16_t *keys[32], *values[32];
         const int64_t ahead = j0 + 32 + PACK_AHEAD < n ? j0 + 32 + PACK_AHEAD : n;
-        prefetch_keys(k_cache, v_cache, row, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
-        for (int64_t j = 0; j < 32; j++) {
-            keys[j] = j0 + j < n ? k_cache + slots[j0 + j] * row + kv_head * dim : zeros;
-            values[j] = j0 + j < n ? v_cache + slots[j0 + j] * row + kv_head * dim : zeros;
-        }
+        prefetch_keys(kv, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
+        key_rows(kv, kv_head, dim, slots, j0, n, kbuf, vbuf, keys, values);
         for (int64_t m = 0; m < dim / 32; m++) { /* row i: keys 2i and 2i + 1 as pairs, dims in HEADS_DIMS' order */
             uint16_t *lo = vp + ((j0 / 32) * (dim / 16) + 2 * m) * 512, *hi = lo + 512;
             for (int i = 0; i < 16; i++) {
@@ -874,14 +905,13 @@ void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, in
                             int64_t p0, int64_t p1, uint16_t *xo) {
     (void)wb, (void)k, (void)x, (void)r0, (void)r1, (void)inter, (void)p0, (void)p1, (void)xo;
 }
-void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                   const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1) {
-    (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt;
-    (void)k0, (void)k1;
+void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kr,
+                   uint16_t *vt, int64_t k0, int64_t k1) {
+    (void)kv, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt, (void)k0, (void)k1;
 }
-void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                         const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp) {
-    (void)k_cache, (void)v_cache, (void)row, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kt, (void)vp;
+void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt,
+                         uint16_t *vp) {
+    (void)kv, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kt, (void)vp;
 }
 void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
                       int64_t dim, float scale, float *out, int64_t out_stride, float *st, uint16_t *pb, float *stats) {

@@ -48,8 +48,9 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] fp32 */
     QWeight qkv, o, gate_up, down;       /* qkv rows: q heads, k heads, v heads; gate_up rows: gate, up */
-    void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim] fp32 or bf16 */
+    void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim] fp32, bf16 or int8 codes */
     const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim] fp32, or NULL for none */
+    float *k_scale, *v_scale;            /* [slots, kv_heads] fp32: an int8 cache's scales (value = code * scale) */
 } Layer;
 
 /* The shared-memory all-reduce of one rank (engines/shm_all_reduce.py's segment and counters). */
@@ -74,6 +75,7 @@ typedef struct {
     const float *final_norm; /* [hidden] fp32: the model's final norm, applied to the last layer's output; NULL: none */
     int64_t prompt_bf16;     /* 1: prompt runs' projections in bf16 tiles where AMX runs (amx_bf16_blocks) */
     int64_t split_swiglu;    /* 1: those rows' gate_up and SwiGLU in two passes, not one (the one pass's reference) */
+    int64_t cache_int8;      /* 1: the cache holds int8 codes and the layers' k_scale / v_scale (cache_bf16 is 0) */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -215,8 +217,30 @@ static void rope(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
-static inline void store_row(void *cache, int64_t index, const float *src, int64_t n, int bf16) {
-    if (bf16) {
+/* One slot's K or V row (kv_heads rows of dim values) into the cache: fp32, bf16 (to nearest even), or per KV head
+ * int8 codes round(x * 127 / max |x|) and the scale max |x| / 127 (all zero for a zero row). */
+static inline void store_row(const Decoder *m, void *cache, float *scales, int64_t slot, const float *src) {
+    const int64_t dim = m->head_dim, n = m->num_kv_heads * dim, index = slot * n;
+    if (m->cache_int8) {
+        int8_t *dst = (int8_t *)cache + index;
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int64_t h = 0; h < m->num_kv_heads; h++) { /* dim is a multiple of 8 */
+            const float *x = src + h * dim;
+            __m256 most8 = _mm256_setzero_ps();
+            for (int64_t i = 0; i < dim; i += 8) most8 = _mm256_max_ps(most8, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+            float lanes[8], most = 0.0f;
+            _mm256_storeu_ps(lanes, most8);
+            for (int i = 0; i < 8; i++) most = fmaxf(most, lanes[i]);
+            const __m256 inv = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+            for (int64_t i = 0; i < dim; i += 8) { /* |x * inv| <= 127 (to rounding): no saturation below */
+                const __m256 c = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m256i w = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(c, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+                const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+                _mm_storel_epi64((__m128i *)(dst + h * dim + i), _mm_packs_epi16(words, words));
+            }
+            scales[slot * m->num_kv_heads + h] = most / 127.0f;
+        }
+    } else if (m->cache_bf16) {
         uint16_t *dst = (uint16_t *)cache + index;
         for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
     } else {
@@ -224,12 +248,27 @@ static inline void store_row(void *cache, int64_t index, const float *src, int64
     }
 }
 
-static inline __m256 load8(const void *base, int64_t index, int bf16) {
-    if (bf16) {
+/* Values index..index + 7 of a cache as fp32 (an int8 cache's codes times `scale`). */
+static inline __m256 load8(const void *base, int64_t index, const Decoder *m, float scale) {
+    if (m->cache_int8) {
+        const __m128i c = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + index));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_set1_ps(scale));
+    }
+    if (m->cache_bf16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)base + index);
+}
+
+/* Bytes per value of the decoder's cache. */
+static inline int64_t cache_value_size(const Decoder *m) { return m->cache_int8 ? 1 : m->cache_bf16 ? 2 : 4; }
+
+/* The layer's cache as amx.c's kernels read it (bf16 or int8). */
+static inline KVRows kv_rows(const Decoder *m, const Layer *layer) {
+    const KVRows kv = {layer->k_cache, layer->v_cache, m->cache_int8 ? layer->k_scale : NULL,
+                       m->cache_int8 ? layer->v_scale : NULL, m->num_kv_heads * m->head_dim, m->num_kv_heads};
+    return kv;
 }
 
 /* exp(x), about 1 ulp over [-87, 88] (clamped outside): 2^n p(r) with x = n ln2 + r, |r| <= ln2 / 2. */
@@ -284,16 +323,17 @@ static inline void prefetch_head(const void *cache, const int64_t *slots, int64_
 static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
                    const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
     const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
-    const int bf16 = (int)m->cache_bf16;
     float best[16]; /* heads per KV head <= 16 */
     for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
-    const int64_t size = bf16 ? 2 : 4, ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
+    const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
+    const float *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
     prefetch_head(layer->k_cache, slots, 0, ahead, row, kv_head, dim, size);
     for (int64_t j = 0; j < n; j++) {
         __m256 key[16]; /* head_dim <= 128 */
         const int64_t at = slots[j] * row + kv_head * dim;
         if (j + ATTEND_AHEAD < n) prefetch_head(layer->k_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, bf16);
+        const float ks = k_scale ? k_scale[slots[j] * m->num_kv_heads + kv_head] : 1.0f;
+        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, m, ks);
         for (int64_t h = 0; h < heads; h++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t i = 0; i < dim / 8; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + 8 * i), key[i], acc);
@@ -326,7 +366,8 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
         __m256 value[16];
         const int64_t at = slots[j] * row + kv_head * dim;
         if (j + ATTEND_AHEAD < n) prefetch_head(layer->v_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, bf16);
+        const float vs = v_scale ? v_scale[slots[j] * m->num_kv_heads + kv_head] : 1.0f;
+        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, m, vs);
         for (int64_t h = 0; h < heads; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * n + j]);
             float *o = out + h * dim;
@@ -341,7 +382,7 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
 
 /* Whether one-by-one tokens attend through amx_attend_heads (the tiles) rather than `attend`. */
 static int heads_attend(const Decoder *m) {
-    return amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
+    return amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
            m->num_heads / m->num_kv_heads <= 16;
 }
 
@@ -597,7 +638,7 @@ static inline int64_t pad_keys(int64_t n) { return (n + RUN_KEYS - 1) / RUN_KEYS
 
 /* How many lead new tokens of sequence s attend through amx_attend_run (the rest token by token, attend). */
 static int64_t run_tokens(const Decoder *m, const Batch *b, int64_t s) {
-    return b->runs && amx_active() && m->cache_bf16 && m->head_dim % 32 == 0 ? b->runs[s] : 0;
+    return b->runs && amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0 ? b->runs[s] : 0;
 }
 
 /* The runs of a batch: per run its sequence, laid-out keys (padded) and where its buffers start; per task
@@ -827,9 +868,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         for (int64_t i = 0; i < qkv_width; i++) row[i] += layer->qkv_bias[i];
                     const float *c = m->cos + b->positions[t] * D, *s = m->sin + b->positions[t] * D;
                     for (int64_t head = 0; head < m->num_heads + m->num_kv_heads; head++) rope(row + head * D, c, s, D);
-                    store_row(layer->k_cache, b->slots[t] * kv_width, row + q_width, kv_width, (int)m->cache_bf16);
-                    store_row(layer->v_cache, b->slots[t] * kv_width, row + q_width + kv_width, kv_width,
-                              (int)m->cache_bf16);
+                    store_row(m, layer->k_cache, layer->k_scale, b->slots[t], row + q_width);
+                    store_row(m, layer->v_cache, layer->v_scale, b->slots[t], row + q_width + kv_width);
                 }
                 MARK(PHASE_ROPE)
                 if (runs.num_runs) {
@@ -839,8 +879,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const int64_t n_pad = runs.n_pad[r], end = k0 + PACK_KEYS < n_pad ? k0 + PACK_KEYS : n_pad;
                         const int64_t at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t s = runs.seq[r], keys = b->seq_lens[s] - (b->query_start[s + 1] - b->query_start[s]) + run_tokens(m, b, s);
-                        amx_pack_keys(layer->k_cache, layer->v_cache, kv_width, kvh, D, runs.slots + runs.slot_at[r], keys,
-                                      runs.kr + at, runs.vt + at, k0, end);
+                        const KVRows kv = kv_rows(m, layer);
+                        amx_pack_keys(&kv, kvh, D, runs.slots + runs.slot_at[r], keys, runs.kr + at, runs.vt + at, k0, end);
                     }
                     MARK(PHASE_PACK)
 #pragma omp for schedule(dynamic, 1) nowait
@@ -869,7 +909,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     if (by_heads) {
                         const int me = omp_get_thread_num();
                         uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
-                        amx_pack_heads_keys(layer->k_cache, layer->v_cache, kv_width, kv_head, D, slots, n, kr, vt);
+                        const KVRows kv = kv_rows(m, layer);
+                        amx_pack_heads_keys(&kv, kv_head, D, slots, n, kr, vt);
                         amx_attend_heads(wide + t * qkv_width + at, D, group, n, kr, vt, D, m->scale, out, D,
                                          lay_st + me * 16 * RUN_CHUNK, lay_pb + me * 16 * RUN_CHUNK, stats);
                         continue;
@@ -904,7 +945,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 MARK(PHASE_SWIGLU)
                 if (l + 1 < m->num_layers) {
                     const Layer *next = &m->layers[l + 1];
-                    const int64_t bytes = kv_width * (m->cache_bf16 ? 2 : 4);
+                    const int64_t bytes = kv_width * cache_value_size(m); /* the scales are left to the hardware */
 #pragma omp for schedule(static) nowait
                     for (int64_t i = 0; i < num_prefetch; i++) {
                         const char *k = (const char *)next->k_cache + prefetch[i] * bytes;

@@ -182,13 +182,21 @@ void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x
                      int64_t b0, int64_t b1);
 void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, int64_t inter,
                             int64_t p0, int64_t p1, uint16_t *xo);
-void amx_pack_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                   const int64_t *slots, int64_t n, uint16_t *kr, uint16_t *vt, int64_t k0, int64_t k1);
+/* One layer's K and V cache as the attention kernels read it: per slot `row` values (kv_heads x head_dim), bf16, or
+ * int8 codes with one fp32 scale per slot and KV head (a value is code * scale) where k_scale is not NULL. */
+typedef struct {
+    const void *k, *v;
+    const float *k_scale, *v_scale; /* [slots, kv_heads], or NULL for a bf16 cache */
+    int64_t row, kv_heads;
+} KVRows;
+
+void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kr,
+                   uint16_t *vt, int64_t k0, int64_t k1);
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
                     uint32_t *pt);
-void amx_pack_heads_keys(const uint16_t *k_cache, const uint16_t *v_cache, int64_t row, int64_t kv_head, int64_t dim,
-                         const int64_t *slots, int64_t n, uint16_t *kt, uint16_t *vp);
+void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt,
+                         uint16_t *vp);
 void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
                       int64_t dim, float scale, float *out, int64_t out_stride, float *st, uint16_t *pb, float *stats);
 

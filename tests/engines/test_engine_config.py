@@ -61,6 +61,7 @@ def test_cli_flags_parse_into_the_config():
         {"spec_depth": 0},
         {"max_num_seqs": 0},
         {"dtype": "float8"},
+        {"kv_cache_dtype": "int4"},
         {"device": "tpu"},
         {"spec_policy": "greedy"},
         {"drafter": "draft-model"},

@@ -47,6 +47,25 @@ def test_batch_slots_equal_each_sequences_slots_in_order():
     assert kv.batch_slots([], [], []).numel() == 0
 
 
+def test_an_int8_cache_moves_codes_with_their_scales():
+    """An int8 cache holds codes and a scale per slot and KV head; committing a path moves both, and its bytes
+    per token count the scales."""
+    kv = PagedKVCache(2, 3, 8, 4, 4, torch.int8, "cpu")
+    assert kv.k_scale is not None and kv.v_scale is not None and kv.k_scale.shape == (2, 16, 3)
+    assert kv.value_dtype == torch.bfloat16
+    assert PagedKVCache.bytes_per_token(2, 3, 8, torch.int8) == 2 * 2 * 3 * (8 + 4)
+    kv.k.random_(-127, 128)
+    kv.v.random_(-127, 128)
+    kv.k_scale.uniform_()
+    kv.v_scale.uniform_()
+    before = [t.clone() for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)]
+    kv.move_slots([5, 6], [1, 9])
+    for now, then in zip((kv.k, kv.v, kv.k_scale, kv.v_scale), before, strict=True):
+        assert torch.equal(now[:, [1, 9]], then[:, [5, 6]])
+        rest = [i for i in range(16) if i not in (1, 9)]
+        assert torch.equal(now[:, rest], then[:, rest])
+
+
 def depths(parents: list[int]) -> list[int]:
     out = []
     for p in parents:

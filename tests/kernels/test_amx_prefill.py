@@ -13,7 +13,7 @@ from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
 from kernels import fused_decoder, integer_dot
 from kernels.quantized_linear import quantize
-from tests.kernels.test_fused_decoder import reference_layers
+from tests.kernels.test_fused_decoder import cache_values, copy_cache, fill_random, reference_layers
 
 pytestmark = pytest.mark.skipif(
     not integer_dot.available() or not integer_dot.amx_active(), reason="no AMX CPU (or kernel) here"
@@ -61,8 +61,8 @@ def model64(seed: int = 0, kind: str = "int4") -> LlamaModel:
     return model
 
 
-def cache(blocks: int = 64) -> PagedKVCache:
-    kv = PagedKVCache(2, 2, 64, blocks, BLOCK, torch.bfloat16, "cpu")
+def cache(blocks: int = 64, dtype: torch.dtype = torch.bfloat16) -> PagedKVCache:
+    kv = PagedKVCache(2, 2, 64, blocks, BLOCK, dtype, "cpu")
     kv.allocate("pad", 40)  # the sequences' blocks do not start at block 0
     return kv
 
@@ -82,14 +82,19 @@ def slots_of(kv: PagedKVCache, seq: str, n: int) -> torch.Tensor:
     return table[idx // BLOCK] * BLOCK + idx % BLOCK
 
 
+CACHE_DTYPES = [torch.bfloat16, torch.int8]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("cuts", [[37, 63], [64, 1, 35], [16, 16, 68], [530, 70], [17, 600, 3]])
-def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts):
+def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts, cache_dtype):
     """Every prompt token's output and K/V, read in one call or in chunks (over the chunks before it in the
-    cache), are equal bit for bit (also past the 512 keys a run attends over at a time)."""
+    cache), are equal bit for bit (also past the 512 keys a run attends over at a time), in a bf16 cache and
+    in an int8 one."""
     model = model64()
     n = sum(cuts)
     x = torch.randn(n, HIDDEN)
-    kv = cache(128)
+    kv = cache(128, cache_dtype)
     whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, n)
     parts, start = [], 0
     decoder = fused_decoder.FusedDecoder(model, kv)
@@ -99,14 +104,17 @@ def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts):
     assert torch.equal(torch.cat(parts), whole)
     a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
     assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
+    if cache_dtype == torch.int8:
+        assert torch.equal(kv.k_scale[:, a], kv.k_scale[:, b]) and torch.equal(kv.v_scale[:, a], kv.v_scale[:, b])
 
 
-def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_one_by_one():
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_one_by_one(cache_dtype):
     """A decode row computes the same alone and beside a prompt's run; a chunk that recomputes a prompt and
     the tokens generated after it (a preempted request) reproduces the generated tokens' rows as decoding
-    them did, bit for bit."""
+    them did, bit for bit (in a bf16 cache and in an int8 one)."""
     model = model64(1)
-    kv = cache()
+    kv = cache(64, cache_dtype)
     decoder = fused_decoder.FusedDecoder(model, kv)
     x = torch.randn(45, HIDDEN)
     prompt = read(decoder, kv, "a", x[:40], 0, 40)
@@ -237,3 +245,47 @@ def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_l
         row = decoder(x[1 + depth : 2 + depth].clone(), torch.tensor([600 + depth]),
                       build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
         assert torch.equal(row[0], tree[1 + depth]), depth
+
+
+def test_an_int8_cache_is_read_through_the_tiles_as_its_codes_say():
+    """In an int8 cache (codes and a scale per token and KV head), decodes, a draft tree's nodes and a prompt run
+    attend through the tiles over keys and values that are their codes times their scales: against the layers in
+    fp64 over the same codes they stay within what the tiles' bf16 costs a bf16 cache (1.7% and 1.4-2.0% of the
+    largest output here); the first layer's K/V are the reference's quantization of their rows, to a code; and a
+    tree's chain equals decoding its tokens, bit for bit."""
+    model = model64(4)
+    kv = cache(128, torch.int8)
+    kv.allocate("dec", 701)
+    kv.allocate("tree", 604)
+    kv.allocate("run", 70)
+    fill_random(kv)
+    seqs = [
+        SequenceLayout(kv.block_tables["dec"], 700, 1),
+        SequenceLayout(kv.block_tables["tree"], 600, 4, [-1, 0, 1, 0]),
+        SequenceLayout(kv.block_tables["run"], 0, 70, num_prompt=70),
+    ]
+    positions = torch.cat([torch.tensor([700, 600, 601, 602, 601]), torch.arange(70)])
+    x = model.embed_tokens(torch.randint(0, 96, (75,))).float()
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    before = cache(128, torch.int8)
+    copy_cache(before, kv)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    out = decoder(x.clone(), positions, meta).double()
+    # one-by-one rows against int8 activation blocks, the run's against exact ones (its projections are bf16 tiles)
+    for rows, int8_blocks, bound in ((slice(0, 5), True, 2.5e-2), (slice(5, 75), False, 3e-2)):
+        ref_kv = cache(128, torch.int8)
+        copy_cache(ref_kv, before)
+        ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping, BLOCK, int8_blocks)
+        assert (out[rows] - ref[rows]).abs().max() < bound * ref[rows].abs().max(), rows
+        # the first layer's K/V (the second's inputs carry the first's attention error, a few codes' worth)
+        new = meta.slot_mapping[rows]
+        for got, want in zip(cache_values(kv, 0), cache_values(ref_kv, 0), strict=True):
+            step = want[new].abs().amax(-1, keepdim=True) / 127  # one code of each row
+            assert ((got[new] - want[new]).abs() <= 1.5 * step + 1e-6).all(), rows
+
+    table = kv.block_tables["tree"]
+    for depth in range(3):
+        step = SequenceLayout(table, 600 + depth, 1)
+        row = decoder(x[1 + depth : 2 + depth].clone(), torch.tensor([600 + depth]),
+                      build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
+        assert torch.equal(row[0].double(), out[1 + depth]), depth

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engines.attention import SequenceLayout, build_attention_metadata, reference_paged_attention, sequence_slots
 from engines.config import ModelConfig
 from engines.engine import EngineConfig, LLMEngine
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, dequantize_rows, quantize_rows
 from engines.model import LlamaModel
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
@@ -61,12 +61,41 @@ def blocks_of_32(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(v * inv).double() * d.double()).reshape(x.shape)
 
 
+def fill_random(kv: PagedKVCache) -> None:
+    """Random K/V in every slot: values ~N(0, 1), or for an int8 cache random codes and scales of that size."""
+    for layer in range(kv.k.shape[0]):
+        if kv.k.dtype == torch.int8:
+            for codes, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
+                codes[layer].random_(-127, 128)
+                scales[layer].uniform_(0.005, 0.02)
+        else:
+            kv.k[layer].normal_()
+            kv.v[layer].normal_()
+
+
+def copy_cache(dst: PagedKVCache, src: PagedKVCache) -> None:
+    """dst's K/V (and an int8 cache's scales) = src's."""
+    dst.k.copy_(src.k)
+    dst.v.copy_(src.v)
+    if src.k_scale is not None:
+        dst.k_scale.copy_(src.k_scale)
+        dst.v_scale.copy_(src.v_scale)
+
+
+def cache_values(kv: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V as fp64 values (an int8 cache's codes times their scales)."""
+    if kv.k.dtype == torch.int8:
+        return (dequantize_rows(kv.k[layer], kv.k_scale[layer], torch.float64),
+                dequantize_rows(kv.v[layer], kv.v_scale[layer], torch.float64))  # fmt: skip
+    return kv.k[layer].double(), kv.v[layer].double()
+
+
 def reference_layers(
     model, x, positions, seqs, kv, slots, block: int = BLOCK, int8_blocks: bool = True
 ) -> torch.Tensor:
     """The layers in fp64 over the dequantized weights, activations as int8 blocks (or exact, `int8_blocks`
-    False), K/V rounded to the cache's dtype (of `block` slots a block); writes the new tokens' K/V into `kv`
-    as the kernel does."""
+    False), K/V rounded to the cache's dtype or quantized as an int8 cache holds them (of `block` slots a
+    block); writes the new tokens' K/V into `kv` as the kernel does."""
     cfg = model.cfg
     D, Hq, Hk = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     cos, sin = model.rotary.cos[positions].double()[:, None], model.rotary.sin[positions].double()[:, None]
@@ -89,8 +118,11 @@ def reference_layers(
         q = rope(qkv[:, : Hq * D].view(-1, Hq, D))
         k = rope(qkv[:, Hq * D : (Hq + Hk) * D].view(-1, Hk, D))
         v = qkv[:, (Hq + Hk) * D :].view(-1, Hk, D)
-        kv.k[i][slots], kv.v[i][slots] = k.to(kv.k.dtype), v.to(kv.v.dtype)
-        attn = reference_paged_attention(q, kv.k[i].double(), kv.v[i].double(), seqs, block, D**-0.5)
+        if kv.k.dtype == torch.int8:
+            (kv.k[i][slots], kv.k_scale[i][slots]), (kv.v[i][slots], kv.v_scale[i][slots]) = map(quantize_rows, (k, v))
+        else:
+            kv.k[i][slots], kv.v[i][slots] = k.to(kv.k.dtype), v.to(kv.v.dtype)
+        attn = reference_paged_attention(q, *cache_values(kv, i), seqs, block, D**-0.5)
         x = x + linear(attn, layer.attn.o_proj)
         gate, up = linear(rms(x, layer.post_attn_norm.weight), layer.mlp.gate_up_proj).chunk(2, -1)
         x = x + linear(F.silu(gate) * up, layer.mlp.down_proj)
@@ -117,9 +149,7 @@ def ragged_batch(kv: PagedKVCache, contexts: str = "short") -> list[SequenceLayo
         if name == "dec":
             kv.allocate("gap", 8)  # ... nor run consecutively
         seqs.append(SequenceLayout(kv.block_tables[name], cached, new, parents))
-    for layer in range(kv.k.shape[0]):
-        kv.k[layer].normal_()
-        kv.v[layer].normal_()
+    fill_random(kv)
     return seqs
 
 
@@ -140,7 +170,7 @@ LAYOUTS = ["integer_dot", pytest.param("vnni", marks=needs_vnni)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(
     ("qkv_bias", "contexts"), [(False, "short"), (True, "short"), (False, "long")], ids=["llama", "qwen2-bias", "long"]
 )
@@ -154,24 +184,29 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
     positions = positions_of(seqs)
     x = torch.randn(len(positions), 160)
     ref_kv = PagedKVCache(2, 2, 16, NUM_BLOCKS[contexts], BLOCK, cache_dtype, "cpu")
-    ref_kv.k.copy_(kv.k)
-    ref_kv.v.copy_(kv.v)
+    copy_cache(ref_kv, kv)
 
     assert fused_decoder.applies(model, kv)
     out = fused_decoder.FusedDecoder(model, kv)(x.clone(), positions, meta)
     ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping)
 
-    # fp32 math against fp64; in a bf16 cache a K/V value near a rounding boundary may round the other way
+    # fp32 math against fp64; in a bf16 or int8 cache a K/V value near a rounding boundary may round the other way
     tolerance = 2e-3 if cache_dtype == torch.float32 else 1e-2
     assert (out.double() - ref).abs().max() < tolerance * ref.abs().max()
     new = meta.slot_mapping
+    rest = torch.ones(kv.k.shape[1], dtype=torch.bool)
+    rest[new] = False
     for layer in range(2):
-        for got, want in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
-            # (values grow with RoPE at late positions: a bf16 rounding step is relative)
-            assert torch.allclose(got[layer][new].double(), want[layer][new].double(), rtol=2**-7, atol=2e-2)
-            # every other slot is untouched
-            rest = torch.ones(got.shape[1], dtype=torch.bool)
-            rest[new] = False
+        for got, want in zip(cache_values(kv, layer), cache_values(ref_kv, layer), strict=True):
+            # (values grow with RoPE at late positions: a bf16 rounding step is relative; an int8 code's is
+            # its row's largest value / 127)
+            rtol, atol = (2**-7, 2e-2) if cache_dtype != torch.int8 else (0.0, want[new].abs().amax() / 100)
+            assert torch.allclose(got[new], want[new], rtol=rtol, atol=atol)
+        # every other slot is untouched
+        stored = [(kv.k, ref_kv.k), (kv.v, ref_kv.v)]
+        if cache_dtype == torch.int8:
+            stored += [(kv.k_scale, ref_kv.k_scale), (kv.v_scale, ref_kv.v_scale)]
+        for got, want in stored:
             assert torch.equal(got[layer][rest], want[layer][rest])
 
 
@@ -273,12 +308,14 @@ def test_where_it_applies():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_speculation_is_lossless_in_the_served_configuration(layout):
+def test_speculation_is_lossless_in_the_served_configuration(layout, kv_cache_dtype):
     """The embedded model as served (bf16, the GGUF's int4 blocks, the fused decoder; each integer layout
-    this CPU runs): with Lyanna trees, greedy and seeded outputs equal plain decoding's, in one batch,
-    because a verified row computes exactly what decoding it would."""
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256))
+    this CPU runs; the model's cache and an int8 one): with Lyanna trees, greedy and seeded outputs equal
+    plain decoding's, in one batch, because a verified row computes exactly what decoding it would."""
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype))
+    assert engine.kv_cache.k.dtype == (torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16)
     model = engine.model
     for lin in model.modules():
         if getattr(lin, "quant", None) is not None:
@@ -296,3 +333,9 @@ def test_speculation_is_lossless_in_the_served_configuration(layout):
         assert reqs[0].output_token_ids == reqs[1].output_token_ids
         assert reqs[2].output_token_ids == reqs[3].output_token_ids
     assert engine.stats().spec.num_accepted_tokens > 0 and engine.stats().kv_free_blocks == 256
+
+
+def test_an_int8_cache_is_refused_where_the_fused_decoder_would_not_read_it():
+    """Only the fused CPU decoder reads int8 codes: an engine that would run the eager layers says so."""
+    with pytest.raises(ValueError, match="kv_cache_dtype int8"):
+        LLMEngine(EngineConfig(num_kv_blocks=16, kv_cache_dtype="int8", enforce_eager=True))
