@@ -19,8 +19,8 @@ from engines.cuda_graphs import StepGraphs, graph_buckets
 from engines.drafters.factory import make_drafter
 from engines.engine_config import EngineConfig
 from engines.errors import ContextLengthError, InvalidRequestError
-from engines.kv_cache import PagedKVCache, kv_cache_dtype, parse_kv_cache_dtype
-from engines.loader import cache_root, load_model, parse_dtype
+from engines.kv_cache import PagedKVCache, kv_cache_dtype
+from engines.loader import cache_root, load_model, parse_dtype, parse_kv_cache_dtype
 from engines.model_runner import ModelRunner
 from engines.request import FinishReason, GenerationRequest, Request, RequestOutput, RequestStatus, TokenLogprob
 from engines.sampling import SamplingParams

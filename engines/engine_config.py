@@ -16,8 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.kv_cache import parse_kv_cache_dtype
-from engines.loader import parse_dtype
+from engines.loader import parse_dtype, parse_kv_cache_dtype
 from engines.spec_decode.policy import AdaptiveSettings
 from engines.spec_params import SpecParams
 from kernels.dispatch import default_kernel_mode

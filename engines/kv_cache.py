@@ -33,18 +33,6 @@ def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
     return True
 
 
-def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
-    """A `kv_cache_dtype` setting as a torch dtype: None for "auto", torch.int8 for "int8" (codes with a scale per
-    token and KV head), else a float dtype name (`engines.loader.parse_dtype`)."""
-    from engines.loader import parse_dtype
-
-    if name == "auto":
-        return None
-    if name.lower() == "int8":
-        return torch.int8
-    return parse_dtype(name)
-
-
 def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: `setting`, or for None ("auto") the model's, except fp32 on a CPU that would
     emulate the model's half-precision arithmetic."""

@@ -47,6 +47,16 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """A `kv_cache_dtype` setting as a torch dtype: None for "auto", torch.int8 for "int8" (codes with a scale per
+    token and KV head), else a float dtype name (`engines.loader.parse_dtype`)."""
+    if name == "auto":
+        return None
+    if name.lower() == "int8":
+        return torch.int8
+    return parse_dtype(name)
+
+
 def cache_root() -> Path:
     """Where converted checkpoints are cached ($LYANNA_CACHE_DIR, else ~/.cache/lyanna-serve)."""
     return Path(os.environ.get("LYANNA_CACHE_DIR", Path.home() / ".cache" / "lyanna-serve"))

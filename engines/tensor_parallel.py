@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from engines import shm_all_reduce, shm_channel
-from engines.kv_cache import PagedKVCache, parse_kv_cache_dtype
-from engines.loader import load_model
+from engines.kv_cache import PagedKVCache
+from engines.loader import load_model, parse_kv_cache_dtype
 from engines.model_runner import ModelRunner, StepResult
 from engines.parallel import TensorParallel
 from engines.shm_all_reduce import SharedMemoryAllReduce

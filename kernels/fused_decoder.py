@@ -11,12 +11,12 @@ whatever else is in its batch (`decoder.c`).
 
 It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU, on one rank or
 on tensor-parallel ranks that sum through shared memory (engines/shm_all_reduce.py: the C forward does its
-two all-reduces a layer there itself), with an fp32 or bf16 cache, head_dim a multiple of 8 up to 128 and
+two all-reduces a layer there itself), with an fp32, bf16 or int8 cache, head_dim a multiple of 8 up to 128 and
 at most 16 query heads per KV head; the model runs larger steps (`max_rows`) and every other configuration
 through its eager layers.
 
 On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections of other rows
-go 16 rows per tile product (the same numbers as csrc/vnni.c's); in a bf16 cache a sequence's prompt tokens
+go 16 rows per tile product (the same numbers as csrc/vnni.c's); in a bf16 (or int8) cache a sequence's prompt tokens
 (`AttentionMetadata.prompt_tokens`: never a draft tree's or a generated token's) enter the projections as
 bf16 rows against the weights dequantized to bf16 (fp32 sums over the whole row: more accurate than int8
 blocks, `PROMPT_BF16`), and attend 16 queries at a time
@@ -24,7 +24,7 @@ over their keys, flash-style, with Q, K, P and V in bf16 and fp32 softmax and su
 precision). Each prompt token's attention is computed the same way however the prompt is cut into chunks
 (and whatever else is in the batch), as each generated token's is by the one-by-one path: so a prompt read
 from cached blocks plus a short remainder gives what reading it whole gives, bit for bit. With AMX and a
-bf16 cache the one-by-one tokens (decodes, draft trees) attend through the same tiles and precision too,
+bf16 or int8 cache the one-by-one tokens (decodes, draft trees) attend through the same tiles and precision too,
 a KV head's query heads in the lanes over the token's keys laid out in its thread's scratch; a draft
 token accepted at depth d still gives exactly what decoding it gives.
 """
@@ -365,7 +365,7 @@ class _Layers:
             runs: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Every layer over the new tokens `x` ([T, hidden]); returns the last layer's output, fp32. `runs`
         ([B]: how many lead new tokens of each sequence are a causal run of prompt tokens; None: none) lets
-        those attend 16 queries at a time (AMX, bf16 cache); the others attend one by one.
+        those attend 16 queries at a time (AMX, bf16 or int8 cache); the others attend one by one.
 
         Shapes are checked here and every index in C before anything is read or written (`check_batch` of
         decoder.c): ValueError or IndexError name the first bad one."""

@@ -29,10 +29,11 @@ the interleaved measurement N times and reports per configuration the median and
 of every ratio (`repeats`). Prefix caching is off unless `--prefix-caching`: warm-up and repeats replay
 the same prompts, which would otherwise skip their prefill. `NAME+QUANT` runs a configuration with other
 target weights (`none+int8`, `lyanna+none`), and `NAME+eager` on the model's eager layers
-(`enforce_eager`: no fused CPU decoder), e.g. `none+eager`. `NAME#TAG` runs a configuration again on
-another engine of the same settings: `none,none#2` shows how far two identical engines differ on this
-machine (the noise floor of every ratio). The last line of stdout is one JSON object; its top-level fields
-describe the first configuration, `configs` holds them all.
+(`enforce_eager`: no fused CPU decoder), e.g. `none+eager`, and `NAME+kv-int8` over an int8 KV cache
+(`kv_cache_dtype: int8`; `--llamacpp-kv-type q8_0` gives llama.cpp its 8-bit cache). `NAME#TAG` runs a
+configuration again on another engine of the same settings: `none,none#2` shows how far two identical
+engines differ on this machine (the noise floor of every ratio). The last line of stdout is one JSON object;
+its top-level fields describe the first configuration, `configs` holds them all.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ ENGINE_FLAGS = (
     "tensor_parallel_size",
     "kernels",
     "quantization",
+    "kv_cache_dtype",
     "enforce_eager",
     "spec_depth",
     "spec_width",
@@ -166,11 +168,11 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
     as in serving, where the configured tree is the caps); a `#TAG` suffix names another engine of the
-    same settings."""
+    same settings; `+eager`, `+kv-int8` (an int8 KV cache) and `+QUANTIZATION` override those settings."""
     variant = variant.partition("#")[0]
     variant, _, policy = variant.partition("@")
     variant, *options = variant.split("+")
-    quantization = next((o for o in options if o != "eager"), None)
+    quantization = next((o for o in options if o not in ("eager", "kv-int8")), None)
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
     return engine_config_from_args(
@@ -185,6 +187,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         spec_policy=policy or "fixed",
         enforce_eager=args.enforce_eager or "eager" in options,
         enable_prefix_caching=args.prefix_caching,
+        kv_cache_dtype="int8" if "kv-int8" in options else args.kv_cache_dtype,
         **overrides,
     )
 
@@ -215,6 +218,8 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--llamacpp-flash-attn", action=argparse.BooleanOptionalAction, default=True, help="llama.cpp's flash attention"
     )
+    ap.add_argument("--llamacpp-kv-type", choices=("f16", "q8_0"), default="f16",
+                    help="llama.cpp's KV cache type (q8_0: the peer of --kv-cache-dtype int8)")  # fmt: skip
     ap.add_argument(
         "--compare-vllm",
         action="store_true",
@@ -259,6 +264,7 @@ def make_peers(args: argparse.Namespace, first: LLMEngine, prompts: list[list[in
                 n_ctx=max(4096, context),
                 threads=threads,
                 flash_attn=args.llamacpp_flash_attn,
+                kv_type=args.llamacpp_kv_type,
             )
             peers[f"llamacpp-{fmt}"] = runner
             info[f"llamacpp-{fmt}"] = {"format": FORMATS[fmt], **runner.settings()}
@@ -288,8 +294,8 @@ def make_peers(args: argparse.Namespace, first: LLMEngine, prompts: list[list[in
     return peers, info
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark and print its JSON summary as the last line of stdout."""
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(
         prog="python -m engines.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -318,6 +324,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="fixed",
         help="adaptive: also run DRAFTER@adaptive (--drafter, caps --depth/--width/--budget) beside the others",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark and print its JSON summary as the last line of stdout."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")

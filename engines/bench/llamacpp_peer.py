@@ -128,11 +128,17 @@ def format_gguf(source: Path, fmt: str, threads: int | None = None) -> Path:
     raise SystemExit(f"unknown llama.cpp format {fmt!r}: choose from {sorted(FORMATS)}")
 
 
+# llama.cpp's KV cache types (`llama-bench -ctk/-ctv`): f16, its default, and q8_0 (blocks of 32 int8 codes and a
+# scale; needs flash attention for V), the peer of `kv_cache_dtype: int8`
+KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0"}
+
+
 class LlamaCppRunner:
     """llama.cpp on a GGUF file: exactly `max_new_tokens` new tokens per prompt (EOS ignored), one sequence
     at a time, through its C API."""
 
-    def __init__(self, gguf: Path, n_ctx: int = 4096, threads: int | None = None, flash_attn: bool = True):
+    def __init__(self, gguf: Path, n_ctx: int = 4096, threads: int | None = None, flash_attn: bool = True,
+                 kv_type: str = "f16"):  # fmt: skip
         lc = _llama_cpp()
         if "AMX_INT8 = 1" in lc.llama_print_system_info().decode():
             raise SystemExit(
@@ -144,6 +150,9 @@ class LlamaCppRunner:
         self.path = gguf
         self.threads = threads or torch.get_num_threads()
         self.flash_attn = flash_attn
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"llama.cpp's KV cache type is one of {', '.join(KV_TYPES)}, not {kv_type!r}")
+        self.kv_type = kv_type
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), lc.llama_model_default_params())
         if not self.model:
@@ -152,6 +161,7 @@ class LlamaCppRunner:
         params.n_ctx = n_ctx
         params.n_threads = params.n_threads_batch = self.threads
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.type_k = params.type_v = getattr(lc, KV_TYPES[kv_type])
         self.ctx = lc.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {gguf}")
@@ -162,7 +172,8 @@ class LlamaCppRunner:
 
     def settings(self) -> dict[str, object]:
         """What this runner runs with, for the JSON."""
-        return {"gguf": str(self.path), "threads": self.threads, "flash_attn": self.flash_attn, "n_ctx": self.n_ctx}
+        return {"gguf": str(self.path), "threads": self.threads, "flash_attn": self.flash_attn, "n_ctx": self.n_ctx,
+                "kv_type": self.kv_type}  # fmt: skip
 
     def _sampler(self, temperature: float, seed: int):
         lc = self.lc

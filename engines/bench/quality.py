@@ -24,8 +24,8 @@ import torch
 from engines.attention import SequenceLayout, build_attention_metadata
 from engines.datasets import iter_sharegpt, sharegpt_messages
 from engines.engine_config import add_engine_args
-from engines.kv_cache import PagedKVCache, parse_kv_cache_dtype
-from engines.loader import load_model
+from engines.kv_cache import PagedKVCache
+from engines.loader import load_model, parse_kv_cache_dtype
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
 from kernels import fused_decoder

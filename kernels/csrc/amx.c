@@ -430,8 +430,8 @@ static inline void prefetch_keys(const KVRows *kv, int64_t kv_head, int64_t dim,
     }
 }
 
-/* Row j of one KV head of `cache` as `dim` bf16 values: the cache's own row where it holds bf16; for int8 codes,
- * code * scale rounded to nearest even, written to buf (dim a multiple of 32). */
+/* The row of one KV head at `slot` of `cache` (kv's K or V) as `dim` bf16 values: the cache's own row where it holds
+ * bf16; for int8 codes, code * scale rounded to nearest even, written to buf (dim a multiple of 32). */
 static inline AMX_FN const uint16_t *bf16_row_of(const void *cache, const float *scale, const KVRows *kv, int64_t slot,
                                                 int64_t kv_head, int64_t dim, uint16_t *buf) {
     const int64_t at = slot * kv->row + kv_head * dim;

@@ -6,14 +6,15 @@
  * whole forward is one OpenMP region: per layer, RMSNorm -> int8 activation blocks -> fused QKV
  * (integer_dot.h) -> its bias (Qwen2's q/k/v biases, fp32; none for Llama) -> RoPE -> K/V written to their cache slots -> paged attention over the block table and
  * the token's ancestors among the new tokens -> o_proj -> residual -> RMSNorm -> gate/up -> SwiGLU ->
- * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32 or bf16.
+ * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32, bf16, or int8 codes
+ * with one scale per slot and KV head (Decoder.cache_int8; store_row, amx.c's bf16_row_of).
  *
  * Every row is computed the same way whatever else is in the batch: the projections row by row
  * (integer_dot.h; amx.c's tiles give the same numbers), and attention over a token's keys in their sequence
  * order (cached tokens, then its ancestors root first), in parts fixed by their number (key_parts), so a draft
  * token accepted at depth d produces exactly what decoding it would.
  *
- * Where amx.c's kernels run (AMX, a bf16 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
+ * Where amx.c's kernels run (AMX, a bf16 or int8 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
  * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
  * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
  * token's result, too, does not depend on the batch nor on where its chunk starts or ends. There the other

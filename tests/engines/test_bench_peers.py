@@ -115,6 +115,22 @@ def test_llamacpp_runner_generates_exactly_and_agrees_with_our_engine_on_the_sam
     assert [o.token_ids[0] for o in ours] == [o[0] for o in wave.outputs]
     sampled = runner.run(prompts[:1], 12, temperature=0.8, seed=3).outputs
     assert len(sampled[0]) == 12 and runner.run(prompts[:1], 12, temperature=0.8, seed=3).outputs == sampled
+    # with its 8-bit KV cache (the peer of kv_cache_dtype int8): still exactly the tokens asked for
+    q8 = LlamaCppRunner(embedded_gguf_path(), n_ctx=1024, threads=1, kv_type="q8_0")
+    assert q8.settings()["kv_type"] == "q8_0"
+    assert [len(o) for o in q8.run(prompts, 12, temperature=0.0, seed=0).outputs] == [12] * 3
+    with pytest.raises(ValueError, match="q8_0"):
+        LlamaCppRunner(embedded_gguf_path(), n_ctx=1024, threads=1, kv_type="q4_0")
+
+
+def test_a_configuration_name_can_ask_for_an_int8_kv_cache():
+    from engines.bench.cli import build_parser, engine_config
+    from engines.spec_params import SpecParams
+
+    args = build_parser().parse_args(["--prompts", "unused.jsonl"])
+    assert engine_config("none+kv-int8", args, SpecParams()).kv_cache_dtype == "int8"
+    assert engine_config("none", args, SpecParams()).kv_cache_dtype == "auto"
+    assert engine_config("none+int8+kv-int8", args, SpecParams()).quantization == "int8"
 
 
 @pytest.mark.slow
