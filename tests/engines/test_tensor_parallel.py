@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import TensorParallel
@@ -47,10 +48,11 @@ def engine(tp: int, drafter: str, quantization: str = "auto", dtype: str = "floa
     )
 
 
-def served_engine(tp: int) -> LLMEngine:
+def served_engine(tp: int, kv_cache_dtype: str = "auto") -> LLMEngine:
     """The served settings (4-bit weights, bf16, the fused CPU decoder) with Lyanna drafting 3:2:6 trees, and
     room for a long prompt in one step."""
     config = EngineConfig(
+        kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=384,
         drafter="lyanna",
         spec_depth=3,
@@ -149,6 +151,24 @@ def test_fused_ranks_compute_each_row_whatever_its_batch(served_pair):
     alone = {f"r{i}": two.generate([CHAT_PROMPTS[i]], params)[0].token_ids for i in range(4)}
     assert mixed == alone
     assert two.stats().spec.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_read_an_int8_cache(local_ray):
+    """With `kv_cache_dtype: int8` each rank holds codes and scales for its KV heads: greedy outputs in a batch
+    that changes under them equal each request's alone, with drafts verified (and accepted paths moved, codes
+    with their scales) on both ranks."""
+    two = served_engine(2, "int8")
+    try:
+        assert two.kv_cache.k.dtype == torch.int8 and two.kv_cache.k_scale is not None
+        mixed = run_mixed_batch(two)
+        assert [s["fused_decoder"] for s in two.workers.states()] == [True]
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+        alone = {f"r{i}": two.generate([CHAT_PROMPTS[i]], params)[0].token_ids for i in range(4)}
+        assert mixed == alone
+        assert two.stats().spec.num_accepted_tokens > 0
+    finally:
+        two.shutdown()
 
 
 @pytest.mark.slow
