@@ -46,7 +46,8 @@ def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device
 @torch.no_grad()
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] as an int8 cache holds it: codes round(x * 127 / max |x|) per row and the row's scale
-    max |x| / 127 (fp32, [...]); a zero row has codes and scale 0. The same numbers as decoder.c's store_row."""
+    max |x| / 127 (fp32, [...]); a zero row has codes and scale 0. decoder.c's store_row computes the same
+    formula in fp32 (round half to even)."""
     x = x.float()
     most = x.abs().amax(dim=-1)
     inv = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
