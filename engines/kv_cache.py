@@ -43,21 +43,32 @@ def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device
     return model_dtype
 
 
+INT8_GROUP = 32  # values of an int8 cache's row that share a scale
+
+
+def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x (>= 0) rounded up to the nearest bf16 value, as bf16."""
+    bits = x.float().contiguous().view(torch.int32)
+    up = torch.where((bits & 0xFFFF) != 0, bits + 0x10000, bits) & ~0xFFFF
+    return up.view(torch.float32).to(torch.bfloat16)
+
+
 @torch.no_grad()
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] as an int8 cache holds it: codes round(x * 127 / max |x|) per row and the row's scale
-    max |x| / 127 (fp32, [...]); a zero row has codes and scale 0. decoder.c's store_row computes the same
-    formula in fp32 (round half to even)."""
-    x = x.float()
-    most = x.abs().amax(dim=-1)
-    inv = torch.where(most > 0, 127.0 / most, torch.zeros_like(most))
-    codes = torch.round(x * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return codes, most / 127.0
+    """x [..., head_dim] as an int8 cache holds it: per group of `INT8_GROUP` values the scale s = max |x| / 127
+    rounded up to bf16 ([..., head_dim / INT8_GROUP]) and codes round(x * (1 / s)) (int8; a zero group has codes
+    and scale 0). decoder.c's store_row computes the same formula in fp32 (round half to even)."""
+    groups = x.float().unflatten(-1, (-1, INT8_GROUP))
+    scales = round_up_to_bf16(groups.abs().amax(dim=-1) / 127.0)
+    s = scales.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    codes = torch.round(groups * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return codes.flatten(-2), scales
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An int8 cache's rows as values: codes * scale (fp32), in `dtype`."""
-    return (codes.float() * scales.unsqueeze(-1)).to(dtype)
+    """An int8 cache's rows as values: codes * their group's scale (fp32), in `dtype`."""
+    return (codes.float().unflatten(-1, (-1, INT8_GROUP)) * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 @torch.no_grad()
@@ -214,12 +225,16 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # int8 codes: a value is code * scale, one fp32 scale per slot and KV head ([layers, slots, kv_heads])
+        # int8 codes: a value is code * scale, one bf16 scale per INT8_GROUP values of a slot's KV head
+        # ([layers, slots, kv_heads, head_dim / INT8_GROUP])
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if dtype == torch.int8:
-            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
-            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            if head_dim % INT8_GROUP:
+                raise ValueError(f"an int8 KV cache takes head_dim a multiple of {INT8_GROUP}, not {head_dim}")
+            scales = (*shape[:3], head_dim // INT8_GROUP)
+            self.k_scale = torch.zeros(scales, dtype=torch.bfloat16, device=device)
+            self.v_scale = torch.zeros(scales, dtype=torch.bfloat16, device=device)
         self.block_tables: dict[str, list[int]] = {}
         self.prefix_caching = enable_prefix_caching
         # Tokens past a block that its hash also covers: 1 where a drafter keeps K/V in these blocks
@@ -246,7 +261,7 @@ class PagedKVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Memory one token's K and V take across all layers (an int8 cache's scales included)."""
         if dtype == torch.int8:
-            return 2 * num_layers * num_kv_heads * (head_dim + 4)
+            return 2 * num_layers * num_kv_heads * (head_dim + 2 * head_dim // INT8_GROUP)
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def usage(self) -> float:

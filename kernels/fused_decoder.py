@@ -242,8 +242,8 @@ def layer_weights(layer) -> LayerWeights:
 
 class _Layers:
     """The C view of some decoder layers over a paged cache (`cache.k`, `cache.v`: [layers, slots, kv_heads,
-    head_dim]; for int8 codes also `cache.k_scale`, `cache.v_scale`: [layers, slots, kv_heads]), holding every
-    tensor its pointers point into.
+    head_dim]; for int8 codes also `cache.k_scale`, `cache.v_scale`: [layers, slots, kv_heads, head_dim / 32]),
+    holding every tensor its pointers point into.
 
     The view is taken from the model's tensors as they are when it is built; `run` builds it again when any
     of them was swapped since (a projection's quantized weight replaced, a norm's or rotary table's `.data`
@@ -291,9 +291,10 @@ class _Layers:
         k_scale = v_scale = None
         if k.dtype == torch.int8:
             k_scale, v_scale = self.cache.k_scale.detach(), self.cache.v_scale.detach()
+            want = (*k.shape[:3], D // 32)  # engines.kv_cache.INT8_GROUP, as decoder.c reads them
             for t in (k_scale, v_scale):
-                if t.shape != k.shape[:3] or t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
-                    raise ValueError(f"an int8 cache's scales must be contiguous CPU fp32 {list(k.shape[:3])}")
+                if t.shape != want or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.is_cuda:
+                    raise ValueError(f"an int8 cache's scales must be contiguous CPU bf16 {list(want)}")
         cos, sin = _held(self.rotary.cos, torch.float32), _held(self.rotary.sin, torch.float32)
         if cos.dim() != 2 or cos.shape[1] != D or sin.shape != cos.shape:
             raise ValueError(f"the rotary tables are {list(cos.shape)}, the layers read [positions, {D}]")

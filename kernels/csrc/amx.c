@@ -424,21 +424,23 @@ static inline void prefetch_keys(const KVRows *kv, int64_t kv_head, int64_t dim,
             _mm_prefetch((const char *)kv->v + at + b, _MM_HINT_T0);
         }
         if (kv->k_scale) {
-            _mm_prefetch((const char *)(kv->k_scale + slots[j] * kv->kv_heads + kv_head), _MM_HINT_T0);
-            _mm_prefetch((const char *)(kv->v_scale + slots[j] * kv->kv_heads + kv_head), _MM_HINT_T0);
+            const int64_t group = (slots[j] * kv->kv_heads + kv_head) * (dim / 32);
+            _mm_prefetch((const char *)(kv->k_scale + group), _MM_HINT_T0);
+            _mm_prefetch((const char *)(kv->v_scale + group), _MM_HINT_T0);
         }
     }
 }
 
 /* The row of one KV head at `slot` of `cache` (kv's K or V) as `dim` bf16 values: the cache's own row where it holds
- * bf16; for int8 codes, code * scale rounded to nearest even, written to buf (dim a multiple of 32). */
-static inline AMX_FN const uint16_t *bf16_row_of(const void *cache, const float *scale, const KVRows *kv, int64_t slot,
-                                                int64_t kv_head, int64_t dim, uint16_t *buf) {
+ * bf16; for int8 codes, code * its group's scale rounded to nearest even, written to buf (dim a multiple of 32). */
+static inline AMX_FN const uint16_t *bf16_row_of(const void *cache, const uint16_t *scale, const KVRows *kv,
+                                                int64_t slot, int64_t kv_head, int64_t dim, uint16_t *buf) {
     const int64_t at = slot * kv->row + kv_head * dim;
     if (!scale) return (const uint16_t *)cache + at;
     const int8_t *codes = (const int8_t *)cache + at;
-    const __m512 s = _mm512_set1_ps(scale[slot * kv->kv_heads + kv_head]);
+    const uint16_t *scales = scale + (slot * kv->kv_heads + kv_head) * (dim / 32);
     for (int64_t d = 0; d < dim; d += 32) {
+        const __m512 s = _mm512_set1_ps(bf16_to_float(scales[d / 32]));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d + 16))));
         _mm512_storeu_si512((void *)(buf + d), (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s)));

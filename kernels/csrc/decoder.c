@@ -7,7 +7,7 @@
  * (integer_dot.h) -> its bias (Qwen2's q/k/v biases, fp32; none for Llama) -> RoPE -> K/V written to their cache slots -> paged attention over the block table and
  * the token's ancestors among the new tokens -> o_proj -> residual -> RMSNorm -> gate/up -> SwiGLU ->
  * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32, bf16, or int8 codes
- * with one scale per slot and KV head (Decoder.cache_int8; store_row, amx.c's bf16_row_of).
+ * with a bf16 scale per 32 values (Decoder.cache_int8; store_row, amx.c's bf16_row_of).
  *
  * Every row is computed the same way whatever else is in the batch: the projections row by row
  * (integer_dot.h; amx.c's tiles give the same numbers), and attention over a token's keys in their sequence
@@ -51,7 +51,7 @@ typedef struct {
     QWeight qkv, o, gate_up, down;       /* qkv rows: q heads, k heads, v heads; gate_up rows: gate, up */
     void *k_cache, *v_cache;             /* [slots, kv_heads, head_dim] fp32, bf16 or int8 codes */
     const float *qkv_bias;               /* [(num_heads + 2 num_kv_heads) head_dim] fp32, or NULL for none */
-    float *k_scale, *v_scale;            /* [slots, kv_heads] fp32: an int8 cache's scales (value = code * scale) */
+    uint16_t *k_scale, *v_scale;         /* [slots, kv_heads, head_dim / 32] bf16: an int8 cache's scales (code * scale) */
 } Layer;
 
 /* The shared-memory all-reduce of one rank (engines/shm_all_reduce.py's segment and counters). */
@@ -76,7 +76,8 @@ typedef struct {
     const float *final_norm; /* [hidden] fp32: the model's final norm, applied to the last layer's output; NULL: none */
     int64_t prompt_bf16;     /* 1: prompt runs' projections in bf16 tiles where AMX runs (amx_bf16_blocks) */
     int64_t split_swiglu;    /* 1: those rows' gate_up and SwiGLU in two passes, not one (the one pass's reference) */
-    int64_t cache_int8;      /* 1: the cache holds int8 codes and the layers' k_scale / v_scale (cache_bf16 is 0) */
+    int64_t cache_int8;      /* 1: the cache holds int8 codes and the layers' k_scale / v_scale (head_dim a multiple of
+                              * 32; cache_bf16 is 0) */
 } Decoder;
 
 /* The step's new tokens: B sequences, T tokens; sequence b owns tokens query_start[b]..query_start[b+1]. */
@@ -218,28 +219,35 @@ static void rope(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
-/* One slot's K or V row (kv_heads rows of dim values) into the cache: fp32, bf16 (to nearest even), or per KV head
- * int8 codes round(x * 127 / max |x|) and the scale max |x| / 127 (all zero for a zero row). */
-static inline void store_row(const Decoder *m, void *cache, float *scales, int64_t slot, const float *src) {
+/* One slot's K or V row (kv_heads rows of dim values) into the cache: fp32, bf16 (to nearest even), or per group of
+ * 32 values the scale s = max |x| / 127 rounded up to bf16 and int8 codes round(x * (1 / s)) (all zero for a zero
+ * group; engines/kv_cache.py's quantize_rows). */
+static inline void store_row(const Decoder *m, void *cache, uint16_t *scales, int64_t slot, const float *src) {
     const int64_t dim = m->head_dim, n = m->num_kv_heads * dim, index = slot * n;
     if (m->cache_int8) {
         int8_t *dst = (int8_t *)cache + index;
+        uint16_t *group_scale = scales + slot * (n / 32);
         const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        for (int64_t h = 0; h < m->num_kv_heads; h++) { /* dim is a multiple of 8 */
-            const float *x = src + h * dim;
+        for (int64_t g = 0; g < n / 32; g++) { /* groups of 32 never straddle two heads: dim is a multiple of 32 */
+            const float *x = src + 32 * g;
             __m256 most8 = _mm256_setzero_ps();
-            for (int64_t i = 0; i < dim; i += 8) most8 = _mm256_max_ps(most8, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+            for (int64_t i = 0; i < 32; i += 8) most8 = _mm256_max_ps(most8, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
             float lanes[8], most = 0.0f;
             _mm256_storeu_ps(lanes, most8);
             for (int i = 0; i < 8; i++) most = fmaxf(most, lanes[i]);
-            const __m256 inv = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
-            for (int64_t i = 0; i < dim; i += 8) { /* |x * inv| <= 127 (to rounding): no saturation below */
+            uint32_t bits;
+            const float step = most / 127.0f;
+            memcpy(&bits, &step, 4);
+            bits = ((bits & 0xffffu) ? bits + 0x10000u : bits) & 0xffff0000u; /* rounded up to bf16 */
+            const float s = bf16_to_float((uint16_t)(bits >> 16));
+            const __m256 inv = _mm256_set1_ps(s > 0.0f ? 1.0f / s : 0.0f);
+            for (int64_t i = 0; i < 32; i += 8) { /* |x * inv| <= 127 (to rounding): no saturation below */
                 const __m256 c = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 const __m256i w = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(c, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
                 const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-                _mm_storel_epi64((__m128i *)(dst + h * dim + i), _mm_packs_epi16(words, words));
+                _mm_storel_epi64((__m128i *)(dst + 32 * g + i), _mm_packs_epi16(words, words));
             }
-            scales[slot * m->num_kv_heads + h] = most / 127.0f;
+            group_scale[g] = (uint16_t)(bits >> 16);
         }
     } else if (m->cache_bf16) {
         uint16_t *dst = (uint16_t *)cache + index;
@@ -249,7 +257,7 @@ static inline void store_row(const Decoder *m, void *cache, float *scales, int64
     }
 }
 
-/* Values index..index + 7 of a cache as fp32 (an int8 cache's codes times `scale`). */
+/* Values index..index + 7 of a cache as fp32 (an int8 cache's codes times their group's `scale`). */
 static inline __m256 load8(const void *base, int64_t index, const Decoder *m, float scale) {
     if (m->cache_int8) {
         const __m128i c = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + index));
@@ -327,14 +335,15 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
     float best[16]; /* heads per KV head <= 16 */
     for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
     const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
-    const float *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
+    const uint16_t *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
+    const int64_t groups = dim / 32; /* an int8 cache's scales per head row */
     prefetch_head(layer->k_cache, slots, 0, ahead, row, kv_head, dim, size);
     for (int64_t j = 0; j < n; j++) {
         __m256 key[16]; /* head_dim <= 128 */
         const int64_t at = slots[j] * row + kv_head * dim;
         if (j + ATTEND_AHEAD < n) prefetch_head(layer->k_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        const float ks = k_scale ? k_scale[slots[j] * m->num_kv_heads + kv_head] : 1.0f;
-        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, m, ks);
+        const uint16_t *ks = k_scale ? k_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
+        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, m, ks ? bf16_to_float(ks[i / 4]) : 1.0f);
         for (int64_t h = 0; h < heads; h++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t i = 0; i < dim / 8; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + 8 * i), key[i], acc);
@@ -367,8 +376,8 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
         __m256 value[16];
         const int64_t at = slots[j] * row + kv_head * dim;
         if (j + ATTEND_AHEAD < n) prefetch_head(layer->v_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        const float vs = v_scale ? v_scale[slots[j] * m->num_kv_heads + kv_head] : 1.0f;
-        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, m, vs);
+        const uint16_t *vs = v_scale ? v_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
+        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, m, vs ? bf16_to_float(vs[i / 4]) : 1.0f);
         for (int64_t h = 0; h < heads; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * n + j]);
             float *o = out + h * dim;

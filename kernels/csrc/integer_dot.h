@@ -183,10 +183,10 @@ void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x
 void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, int64_t inter,
                             int64_t p0, int64_t p1, uint16_t *xo);
 /* One layer's K and V cache as the attention kernels read it: per slot `row` values (kv_heads x head_dim), bf16, or
- * int8 codes with one fp32 scale per slot and KV head (a value is code * scale) where k_scale is not NULL. */
+ * int8 codes with one bf16 scale per 32 values (a value is code * scale) where k_scale is not NULL. */
 typedef struct {
     const void *k, *v;
-    const float *k_scale, *v_scale; /* [slots, kv_heads], or NULL for a bf16 cache */
+    const uint16_t *k_scale, *v_scale; /* [slots, kv_heads, head_dim / 32] bf16, or NULL for a bf16 cache */
     int64_t row, kv_heads;
 } KVRows;
 

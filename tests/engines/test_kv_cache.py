@@ -48,12 +48,12 @@ def test_batch_slots_equal_each_sequences_slots_in_order():
 
 
 def test_an_int8_cache_moves_codes_with_their_scales():
-    """An int8 cache holds codes and a scale per slot and KV head; committing a path moves both, and its bytes
-    per token count the scales."""
-    kv = PagedKVCache(2, 3, 8, 4, 4, torch.int8, "cpu")
-    assert kv.k_scale is not None and kv.v_scale is not None and kv.k_scale.shape == (2, 16, 3)
-    assert kv.value_dtype == torch.bfloat16
-    assert PagedKVCache.bytes_per_token(2, 3, 8, torch.int8) == 2 * 2 * 3 * (8 + 4)
+    """An int8 cache holds codes and a bf16 scale per 32 values of a slot's KV head; committing a path moves both,
+    and its bytes per token count the scales."""
+    kv = PagedKVCache(2, 3, 64, 4, 4, torch.int8, "cpu")
+    assert kv.k_scale is not None and kv.v_scale is not None and kv.k_scale.shape == (2, 16, 3, 2)
+    assert kv.k_scale.dtype == torch.bfloat16 and kv.value_dtype == torch.bfloat16
+    assert PagedKVCache.bytes_per_token(2, 3, 64, torch.int8) == 2 * 2 * 3 * (64 + 4)
     kv.k.random_(-127, 128)
     kv.v.random_(-127, 128)
     kv.k_scale.uniform_()
@@ -64,6 +64,25 @@ def test_an_int8_cache_moves_codes_with_their_scales():
         assert torch.equal(now[:, [1, 9]], then[:, [5, 6]])
         rest = [i for i in range(16) if i not in (1, 9)]
         assert torch.equal(now[:, rest], then[:, rest])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PagedKVCache(2, 3, 16, 4, 4, torch.int8, "cpu")
+
+
+def test_int8_rows_keep_each_value_to_half_a_step_of_its_group():
+    """`quantize_rows`: per 32 values a bf16 scale no smaller than max |x| / 127 (no code saturates), codes within
+    half a step of each value, and a zero group all zero."""
+    from engines.kv_cache import dequantize_rows, quantize_rows
+
+    x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
+    x[0, 0, :32] = 0
+    codes, scales = quantize_rows(x)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (5, 3, 2)
+    groups = x.unflatten(-1, (2, 32))
+    assert (scales.float() >= groups.abs().amax(-1) / 127).all() and codes.abs().max() <= 127
+    assert (scales.float() <= groups.abs().amax(-1) / 127 * (1 + 2**-7)).all()
+    back = dequantize_rows(codes, scales, torch.float32).unflatten(-1, (2, 32))
+    assert ((back - groups).abs() <= scales.float().unsqueeze(-1) / 2 * (1 + 1e-5)).all()
+    assert scales[0, 0, 0] == 0 and (codes[0, 0, :32] == 0).all()
 
 
 def depths(parents: list[int]) -> list[int]:

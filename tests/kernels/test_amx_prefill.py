@@ -249,10 +249,11 @@ def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_l
 
 def test_an_int8_cache_is_read_through_the_tiles_as_its_codes_say():
     """In an int8 cache (codes and a scale per token and KV head), decodes, a draft tree's nodes and a prompt run
-    attend through the tiles over keys and values that are their codes times their scales: against the layers in
-    fp64 over the same codes they stay within what the tiles' bf16 costs a bf16 cache (1.7% and 1.4-2.0% of the
-    largest output here); the first layer's K/V are the reference's quantization of their rows, to a code; and a
-    tree's chain equals decoding its tokens, bit for bit."""
+    attend through the tiles over keys and values that are their codes times their groups' scales: against the
+    layers in fp64 over the same codes they stay within a few times what the tiles' bf16 costs a bf16 cache (2-3.5%
+    of the largest output over three seeds, against 1.1-3%; a code that rounds the other way moves the second
+    layer's input); the first layer's K/V are the reference's quantization of their rows, to a code; and a tree's
+    chain equals decoding its tokens, bit for bit."""
     model = model64(4)
     kv = cache(128, torch.int8)
     kv.allocate("dec", 701)
@@ -272,7 +273,7 @@ def test_an_int8_cache_is_read_through_the_tiles_as_its_codes_say():
     decoder = fused_decoder.FusedDecoder(model, kv)
     out = decoder(x.clone(), positions, meta).double()
     # one-by-one rows against int8 activation blocks, the run's against exact ones (its projections are bf16 tiles)
-    for rows, int8_blocks, bound in ((slice(0, 5), True, 2.5e-2), (slice(5, 75), False, 3e-2)):
+    for rows, int8_blocks, bound in ((slice(0, 5), True, 4.5e-2), (slice(5, 75), False, 4.5e-2)):
         ref_kv = cache(128, torch.int8)
         copy_cache(ref_kv, before)
         ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping, BLOCK, int8_blocks)
@@ -287,5 +288,39 @@ def test_an_int8_cache_is_read_through_the_tiles_as_its_codes_say():
     for depth in range(3):
         step = SequenceLayout(table, 600 + depth, 1)
         row = decoder(x[1 + depth : 2 + depth].clone(), torch.tensor([600 + depth]),
+                      build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
+        assert torch.equal(row[0].double(), out[1 + depth]), depth
+
+
+def test_without_the_tiles_an_int8_cache_is_read_in_fp32(amx_off_after):
+    """With the AMX kernels off (CPUs without them), every token attends through `attend`, which reads an int8
+    cache's codes times their groups' scales in fp32: against the layers in fp64 over the same codes, within fp32
+    math and int8 activation blocks (and a code that rounds the other way), and a tree's chain equals decoding
+    its tokens, bit for bit."""
+    model = model64(7)
+    kv = cache(128, torch.int8)
+    kv.allocate("dec", 301)
+    kv.allocate("tree", 204)
+    kv.allocate("chunk", 40)
+    fill_random(kv)
+    seqs = [
+        SequenceLayout(kv.block_tables["dec"], 300, 1),
+        SequenceLayout(kv.block_tables["tree"], 200, 4, [-1, 0, 1, 0]),
+        SequenceLayout(kv.block_tables["chunk"], 30, 10),
+    ]
+    positions = torch.cat([torch.tensor([300, 200, 201, 202, 201]), torch.arange(30, 40)])
+    x = model.embed_tokens(torch.randint(0, 96, (15,))).float()
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    ref_kv = cache(128, torch.int8)
+    copy_cache(ref_kv, kv)
+    integer_dot.set_amx(False)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    out = decoder(x.clone(), positions, meta).double()
+    ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping, BLOCK)
+    assert (out - ref).abs().max() < 1e-2 * ref.abs().max()
+    table = kv.block_tables["tree"]
+    for depth in range(3):
+        step = SequenceLayout(table, 200 + depth, 1)
+        row = decoder(x[1 + depth : 2 + depth].clone(), torch.tensor([200 + depth]),
                       build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
         assert torch.equal(row[0].double(), out[1 + depth]), depth

@@ -67,7 +67,7 @@ def fill_random(kv: PagedKVCache) -> None:
         if kv.k.dtype == torch.int8:
             for codes, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
                 codes[layer].random_(-127, 128)
-                scales[layer].uniform_(0.005, 0.02)
+                scales[layer] = torch.empty(scales[layer].shape).uniform_(0.005, 0.02)
         else:
             kv.k[layer].normal_()
             kv.v[layer].normal_()
@@ -170,7 +170,7 @@ LAYOUTS = ["integer_dot", pytest.param("vnni", marks=needs_vnni)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("qkv_bias", "contexts"), [(False, "short"), (True, "short"), (False, "long")], ids=["llama", "qwen2-bias", "long"]
 )
@@ -190,7 +190,7 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
     out = fused_decoder.FusedDecoder(model, kv)(x.clone(), positions, meta)
     ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping)
 
-    # fp32 math against fp64; in a bf16 or int8 cache a K/V value near a rounding boundary may round the other way
+    # fp32 math against fp64; in a bf16 cache a K/V value near a rounding boundary may round the other way
     tolerance = 2e-3 if cache_dtype == torch.float32 else 1e-2
     assert (out.double() - ref).abs().max() < tolerance * ref.abs().max()
     new = meta.slot_mapping
@@ -198,15 +198,10 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
     rest[new] = False
     for layer in range(2):
         for got, want in zip(cache_values(kv, layer), cache_values(ref_kv, layer), strict=True):
-            # (values grow with RoPE at late positions: a bf16 rounding step is relative; an int8 code's is
-            # its row's largest value / 127)
-            rtol, atol = (2**-7, 2e-2) if cache_dtype != torch.int8 else (0.0, want[new].abs().amax() / 100)
-            assert torch.allclose(got[new], want[new], rtol=rtol, atol=atol)
+            # (values grow with RoPE at late positions: a bf16 rounding step is relative)
+            assert torch.allclose(got[new], want[new], rtol=2**-7, atol=2e-2)
         # every other slot is untouched
-        stored = [(kv.k, ref_kv.k), (kv.v, ref_kv.v)]
-        if cache_dtype == torch.int8:
-            stored += [(kv.k_scale, ref_kv.k_scale), (kv.v_scale, ref_kv.v_scale)]
-        for got, want in stored:
+        for got, want in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
             assert torch.equal(got[layer][rest], want[layer][rest])
 
 
