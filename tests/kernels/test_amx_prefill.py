@@ -248,7 +248,7 @@ def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_l
 
 
 def test_an_int8_cache_is_read_through_the_tiles_as_its_codes_say():
-    """In an int8 cache (codes and a scale per token and KV head), decodes, a draft tree's nodes and a prompt run
+    """In an int8 cache (codes and a bf16 scale per 32 values), decodes, a draft tree's nodes and a prompt run
     attend through the tiles over keys and values that are their codes times their groups' scales: against the
     layers in fp64 over the same codes they stay within a few times what the tiles' bf16 costs a bf16 cache (2-3.5%
     of the largest output over three seeds, against 1.1-3%; a code that rounds the other way moves the second
