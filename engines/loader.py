@@ -48,8 +48,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
-    """A `kv_cache_dtype` setting as a torch dtype: None for "auto", torch.int8 for "int8" (codes with a scale per
-    token and KV head), else a float dtype name (`engines.loader.parse_dtype`)."""
+    """A `kv_cache_dtype` setting as a torch dtype: None for "auto", torch.int8 for "int8" (codes with a bf16 scale
+    per 32 values), else a float dtype name (`engines.loader.parse_dtype`)."""
     if name == "auto":
         return None
     if name.lower() == "int8":

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 # Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
 MAX_ROWS = 64
 MANY_ROWS = 16384  # rows of one call with AMX (whole prompt chunks)
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: codes beside per-row scales
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: codes beside a bf16 scale per 32 values
 # Prompt tokens' projections in bf16 tiles on AMX CPUs (amx.c's amx_bf16_blocks over the weights dequantized a
 # panel at a time); off (`LYANNA_PROMPT_BF16=0`), they go through the int8 blocks that decoding uses.
 PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "1") != "0"
@@ -107,7 +107,7 @@ class _Decoder(ctypes.Structure):
         ("final_norm", _p),  # [hidden] fp32 or NULL: the model's final norm on the last layer's output
         ("prompt_bf16", _i64),  # 1: prompt runs' projections in bf16 tiles (AMX)
         ("split_swiglu", _i64),  # 1: their gate_up and SwiGLU in two passes (SPLIT_SWIGLU)
-        ("cache_int8", _i64),  # 1: int8 codes in k_cache / v_cache, a scale per slot and KV head in k_scale / v_scale
+        ("cache_int8", _i64),  # 1: int8 codes in k_cache / v_cache, their scales in k_scale / v_scale
     ]
 
 

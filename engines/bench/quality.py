@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="KV cache dtypes to score each setting over: auto (the model's), bf16, int8")  # fmt: skip
     args = ap.parse_args(argv)
-    kv_dtypes = args.kv_cache_dtypes.split(",")
-    for name in kv_dtypes:
-        parse_kv_cache_dtype(name)
+    kv_dtypes = {name: parse_kv_cache_dtype(name) for name in args.kv_cache_dtypes.split(",")}  # checked up front
     set_kernel_mode(args.kernels)
     reference = load_model(args.model, "float32", "cpu", quantization="none")
     tokenizer = Tokenizer(reference.checkpoint)
@@ -129,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
             loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
         decode_numerics(loaded.model)
-        for kv_name in kv_dtypes:
-            kv_dtype = parse_kv_cache_dtype(kv_name)
+        for kv_name, kv_dtype in kv_dtypes.items():
             got = [answer_logprobs(loaded.model, t, s, args.numerics == "prompt", kv_dtype) for t, s in convs]
             ll = torch.cat([lp for lp, _ in got])
             agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
