@@ -413,20 +413,20 @@ static inline AMX_FN __attribute__((always_inline)) void transpose16(__m512i *r,
 
 static const uint16_t zero_row[128] = {0}; /* the values of padding keys (dim <= 128) */
 
-/* Requests keys [from, to)'s K and V rows of one KV head (`dim` values) into L1, and their scales (int8 cache). */
-static inline void prefetch_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t from,
-                                 int64_t to) {
-    const int64_t size = kv->k_scale ? 1 : 2;
-    for (int64_t j = from; j < to; j++) {
-        const int64_t at = (slots[j] * kv->row + kv_head * dim) * size;
-        for (int64_t b = 0; b < dim * size; b += 64) {
-            _mm_prefetch((const char *)kv->k + at + b, _MM_HINT_T0);
-            _mm_prefetch((const char *)kv->v + at + b, _MM_HINT_T0);
-        }
-        if (kv->k_scale) {
-            const int64_t group = (slots[j] * kv->kv_heads + kv_head) * (dim / 32);
-            _mm_prefetch((const char *)(kv->k_scale + group), _MM_HINT_T0);
-            _mm_prefetch((const char *)(kv->v_scale + group), _MM_HINT_T0);
+/* Requests the rows of keys [from, to) (those below n) of KV heads [h0, h0 + heads) of `cache` (and their scales)
+ * into L1, or into L2 where `to_l2`. */
+static inline void prefetch_rows(const void *cache, const uint16_t *scale, const KVRows *kv, int64_t h0, int64_t heads,
+                                 int64_t dim, const int64_t *slots, int64_t from, int64_t to, int64_t n, int to_l2) {
+    const int64_t size = scale ? 1 : 2, bytes = heads * dim * size;
+    for (int64_t j = from; j < to && j < n; j++) {
+        const char *row = (const char *)cache + (slots[j] * kv->row + h0 * dim) * size;
+        const char *scales = scale ? (const char *)(scale + (slots[j] * kv->kv_heads + h0) * (dim / 32)) : NULL;
+        if (to_l2) {
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+            if (scales) _mm_prefetch(scales, _MM_HINT_T1);
+        } else {
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+            if (scales) _mm_prefetch(scales, _MM_HINT_T0);
         }
     }
 }
@@ -472,11 +472,13 @@ AMX_FN void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const 
      * use, they arrive while earlier keys are laid out (32 decodes attended in 8.9 against 11.9 ms a step). */
     const int64_t last = k1 < n ? k1 : n;
     uint16_t kbuf[32 * 128], vbuf[32 * 128]; /* int8 rows as bf16 */
-    prefetch_keys(kv, kv_head, dim, slots, k0, k0 + PACK_AHEAD < last ? k0 + PACK_AHEAD : last);
+    prefetch_rows(kv->k, kv->k_scale, kv, kv_head, 1, dim, slots, k0, k0 + PACK_AHEAD, last, 0);
+    prefetch_rows(kv->v, kv->v_scale, kv, kv_head, 1, dim, slots, k0, k0 + PACK_AHEAD, last, 0);
     for (int64_t j0 = k0; j0 < k1; j0 += 32) {
         const uint16_t *keys[32], *values[32];
         const int64_t ahead = j0 + 32 + PACK_AHEAD < last ? j0 + 32 + PACK_AHEAD : last;
-        prefetch_keys(kv, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
+        prefetch_rows(kv->k, kv->k_scale, kv, kv_head, 1, dim, slots, j0 + PACK_AHEAD, ahead, last, 0);
+        prefetch_rows(kv->v, kv->v_scale, kv, kv_head, 1, dim, slots, j0 + PACK_AHEAD, ahead, last, 0);
         key_rows(kv, kv_head, dim, slots, j0, n, kbuf, vbuf, keys, values);
         uint32_t *block = (uint32_t *)(vt + j0 * dim); /* [dim][16 key pairs]: key 2i in the low half of pair i */
         for (int64_t d0 = 0; d0 < dim; d0 += 16) {
@@ -703,183 +705,208 @@ AMX_FN void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64
     }
 }
 
-/* The keys and values 0..n of one KV head laid out for amx_attend_heads (keys n.. zero; slots and cache as for
- * amx_pack_keys): kt holds per 16 keys and 32 dims K^T as a tile of dim pairs x keys, [keys / 16][dim / 32][16][16]
- * pairs (key c's dims 2p, 2p + 1 in pair c of row p); vp per 32 keys and 32 dims V as two tiles of key pairs x 16
- * dims, [keys / 32][dim / 32][2][16][16] pairs (keys 2i, 2i + 1 of a dim in one pair of row i): the dims in the
- * order in which 16-bit interleaves leave them (the first tile dims 0-3, 8-11, 16-19, 24-27 of the 32, the second
- * 4-7, 12-15, 20-23, 28-31), which amx_attend_heads undoes on its output. */
-AMX_FN void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n,
-                                uint16_t *kt, uint16_t *vp) {
-    const int64_t padded = (n + 31) / 32 * 32;
-    uint16_t kbuf[32 * 128], vbuf[32 * 128]; /* int8 rows as bf16 */
-    prefetch_keys(kv, kv_head, dim, slots, 0, PACK_AHEAD < n ? PACK_AHEAD : n);
-    for (int64_t j0 = 0; j0 < padded; j0 += 32) {
-        const uint16_t *keys[32], *values[32];
-        const int64_t ahead = j0 + 32 + PACK_AHEAD < n ? j0 + 32 + PACK_AHEAD : n;
-        prefetch_keys(kv, kv_head, dim, slots, j0 + PACK_AHEAD, ahead);
-        key_rows(kv, kv_head, dim, slots, j0, n, kbuf, vbuf, keys, values);
-        for (int64_t m = 0; m < dim / 32; m++) { /* row i: keys 2i and 2i + 1 as pairs, dims in HEADS_DIMS' order */
-            uint16_t *lo = vp + ((j0 / 32) * (dim / 16) + 2 * m) * 512, *hi = lo + 512;
-            for (int i = 0; i < 16; i++) {
-                const __m512i a = _mm512_loadu_si512((const void *)(values[2 * i] + 32 * m));
-                const __m512i b = _mm512_loadu_si512((const void *)(values[2 * i + 1] + 32 * m));
-                _mm512_store_si512((void *)(lo + 32 * i), _mm512_unpacklo_epi16(a, b));
-                _mm512_store_si512((void *)(hi + 32 * i), _mm512_unpackhi_epi16(a, b));
-            }
-        }
-        for (int64_t half = 0; half < 2; half++) /* 16 keys x 16 dim pairs, transposed to dim pairs x keys */
-            for (int64_t h = 0; h < dim / 32; h++) {
-                __m512i r[16], a[16], b[16];
-                for (int c = 0; c < 16; c++) r[c] = _mm512_loadu_si512((const void *)(keys[16 * half + c] + 32 * h));
-                transpose16(r, a, b);
-                uint16_t *tile = kt + (((j0 + 16 * half) / 16) * (dim / 32) + h) * 512;
-                for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(tile + 32 * p), r[p]);
-            }
-    }
+/* Whether keys slots[0..16) are 16 consecutive cache slots. */
+static inline AMX_FN int consecutive16(const int64_t *slots) {
+    const __m512i first = _mm512_set1_epi64(slots[0]);
+    const __m512i lo = _mm512_add_epi64(first, _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+    const __m512i hi = _mm512_add_epi64(first, _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8));
+    return _mm512_cmpeq_epi64_mask(_mm512_loadu_si512((const void *)slots), lo) == 0xff &&
+           _mm512_cmpeq_epi64_mask(_mm512_loadu_si512((const void *)(slots + 8)), hi) == 0xff;
 }
 
-/* Tiles 0-3 and 4-5 of `rows` rows (results and query-side operands), 6-7 of 16 (key-side operands). */
-static AMX_FN void config_heads(int64_t rows) {
+/* Where tile loads find the rows of keys [j, j + 16) of KV heads [h0, h0 + heads) in `cache` (kv's K or V; `scale`
+ * its scales), head h's `dim` values at h * dim, and the distance between rows in bytes (*stride): the cache's own
+ * rows where a bf16 cache holds the 16 keys in consecutive slots, else buf ([16][heads * dim] bf16) filled with them
+ * (bf16_row_of) and zero rows for keys n.. (whose cache rows may hold anything, NaN included, which a zero
+ * probability would not cancel in the tiles). */
+static inline AMX_FN const uint16_t *tile_rows(const void *cache, const uint16_t *scale, const KVRows *kv, int64_t h0,
+                                               int64_t heads, int64_t dim, const int64_t *slots, int64_t j, int64_t n,
+                                               uint16_t *buf, int64_t *stride) {
+    if (!scale && j + 16 <= n && consecutive16(slots + j)) {
+        *stride = kv->row * (int64_t)sizeof(uint16_t);
+        return (const uint16_t *)cache + slots[j] * kv->row + h0 * dim;
+    }
+    const int64_t width = heads * dim;
+    for (int64_t i = 0; i < 16; i++) {
+        uint16_t *to = buf + i * width;
+        if (j + i >= n)
+            memset(to, 0, width * sizeof(uint16_t));
+        else if (!scale)
+            memcpy(to, (const uint16_t *)cache + slots[j + i] * kv->row + h0 * dim, width * sizeof(uint16_t));
+        else
+            for (int64_t h = 0; h < heads; h++) bf16_row_of(cache, scale, kv, slots[j + i], h0 + h, dim, to + h * dim);
+    }
+    *stride = width * (int64_t)sizeof(uint16_t);
+    return buf;
+}
+
+/* Tiles of 16 rows x 64 bytes. */
+static AMX_FN void config_full(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t < 6 ? (uint8_t)rows : 16;
-        cfg.colsb[t] = 64;
-    }
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
-/* Attention of `rows` (<= 16) query rows that all see keys [0, n): the query heads of one token that share a KV
- * head (row r: q + r q_stride, fp32, dim values; out + r out_stride = softmax(q K^T scale) V, fp32). Keys and values:
- * kt and vp (amx_pack_heads_keys). The keys sit in vector lanes: the tile products run with the rows as their
- * rows (S = Q K^T, then O = P V), so a handful of heads costs a handful of vector rows of softmax, not 16 lanes a
- * key as in amx_attend_run. Keys go RUN_CHUNK at a time (st: [rows][RUN_CHUNK] fp32 scores, pb: [rows][RUN_CHUNK]
- * bf16 probabilities), the sums rescaled when a row's maximum grows. dim: 32, 64, 96 or 128. With `stats` (else
- * NULL), row r's softmax maximum and sum go to stats[2 r] and stats[2 r + 1], in natural-log units. */
-AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt,
-                             const uint16_t *vp, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                             uint16_t *pb, float *stats) {
-    uint16_t qa[4][16][32] __attribute__((aligned(64))); /* per 32 dims: [row][dims] bf16, in base-2 units */
-    float part[4][16][16] __attribute__((aligned(64)));  /* a chunk's P V per 16 dims: [row][dim] */
-    float acc[16][128] __attribute__((aligned(64)));     /* O: [row][dim] */
-    float best[16], total[16];
-    const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < dim / 32; h++)
-            _mm512_store_si512((void *)qa[h][r],
-                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 32 * h + 16), c),
-                                                            _mm512_mul_ps(_mm512_loadu_ps(q + r * q_stride + 32 * h), c)));
-        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(acc[r] + d, _mm512_setzero_ps());
-        best[r] = -INFINITY, total[r] = 0.0f;
+/* S^T of 16 keys for KV head H of the call (tile H): its 16 keys' rows at ks + H dim (A) times its queries' Q^T
+ * (B) per 32 dims, stored to st's head H at key tile t. */
+#define HEAD_SCORES(H)                                                                                       \
+    if ((H) < heads) {                                                                                       \
+        _tile_zero(H);                                                                                       \
+        for (int64_t h = 0; h < halves; h += 2) {                                                            \
+            _tile_loadd(4, qt[H][h], 64);                                                                    \
+            _tile_loadd(6, ks + (H) * dim + 32 * h, kstride);                                                \
+            _tile_dpbf16ps(H, 6, 4);                                                                         \
+            if (h + 1 < halves) {                                                                            \
+                _tile_loadd(5, qt[H][h + 1], 64);                                                            \
+                _tile_loadd(7, ks + (H) * dim + 32 * (h + 1), kstride);                                      \
+                _tile_dpbf16ps(H, 7, 5);                                                                     \
+            }                                                                                                \
+        }                                                                                                    \
+        _tile_stored(H, st + (H) * RUN_CHUNK * 16 + 256 * t, 64);                                            \
     }
-    config_heads(rows);
+
+/* Attention of one token's query heads over its keys [0, n) (cache slots slots[0..n), in sequence order) for KV heads
+ * [h0, h0 + heads) (heads <= HEADS_PER_CALL), `rows` (<= 16) query heads each: query head h rows + r of the call
+ * (q + (h rows + r) q_stride, fp32, dim values) reads KV head h0 + h; out + (h rows + r) out_stride =
+ * softmax(q K^T scale) V, fp32. The tiles read the keys' K and V rows where the cache holds them, 16 consecutive
+ * slots (a block) at a time, with nothing laid out: S^T = K Q^T (A: 16 keys' rows, B: a KV head's queries as
+ * columns), every KV head's from the same K rows as they stream in, whose columns the softmax gathers; then O = P V
+ * per KV head, two products per 16 keys (A: the probabilities in the low or the high half of each pair, zero in the
+ * other; B: the 16 keys' V rows as they are, dim pairs), which give the even and the odd dims. Keys that are not in
+ * consecutive slots, the last partial 16 and an int8 cache's codes go through a copy (tile_rows). A head's results do
+ * not depend on which other heads share its call. Keys go RUN_CHUNK at a time (st: [HEADS_PER_CALL][RUN_CHUNK][16]
+ * fp32 scores of 16 columns; pa: [HEADS_PER_CALL][RUN_CHUNK / 16][2][16][16] the probabilities as A tiles, per 16
+ * keys row r's bf16 probability of key i in the low half of pair i, then in the high half; rows `rows`.. are never
+ * written, and only reach output rows that are dropped), the sums rescaled when a row's maximum grows. dim: 32, 64,
+ * 96 or 128. With `stats` (else NULL), query head g's softmax maximum and sum go to stats[2 g] and stats[2 g + 1],
+ * in natural-log units. */
+AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const KVRows *kv, int64_t h0,
+                             int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out,
+                             int64_t out_stride, float *st, uint32_t *pa, float *stats) {
+    uint32_t qt[HEADS_PER_CALL][4][16][16] __attribute__((aligned(64))); /* per head, 32 dims: Q^T (B), row p: dims 2p, 2p + 1 */
+    uint16_t kbuf[16 * HEADS_PER_CALL * 128] __attribute__((aligned(64))); /* tile_rows' copies: 16 keys of K, of V */
+    uint16_t vbuf[16 * 128] __attribute__((aligned(64)));
+    float part[4][16][16] __attribute__((aligned(64))); /* a chunk's P V: even and odd dims of two 32-dim halves */
+    float acc[HEADS_PER_CALL][16][128] __attribute__((aligned(64))); /* O: per 32 dims the even dims, then the odd */
+    float best[HEADS_PER_CALL][16], total[HEADS_PER_CALL][16];
+    const int64_t halves = dim / 32, tile_keys = RUN_CHUNK / 16 * 512; /* pa's values per head */
+    const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
+    memset(qt, 0, sizeof qt);
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *qr = q + (h * rows + r) * q_stride;
+            for (int64_t i = 0; i < halves; i++) {
+                uint32_t pairs[16] __attribute__((aligned(64)));
+                _mm512_store_si512((void *)pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + 32 * i + 16), c),
+                                                                              _mm512_mul_ps(_mm512_loadu_ps(qr + 32 * i), c)));
+                for (int p = 0; p < 16; p++) qt[h][i][p][r] = pairs[p];
+            }
+            for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(acc[h][r] + d, _mm512_setzero_ps());
+            best[h][r] = -INFINITY, total[h][r] = 0.0f;
+        }
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    config_full();
+    prefetch_rows(kv->k, kv->k_scale, kv, h0, heads, dim, slots, 0, 32, n, 0);
     for (int64_t k0 = 0; k0 < n; k0 += RUN_CHUNK) {
         const int64_t w = (k0 + RUN_CHUNK < n ? k0 + RUN_CHUNK : n) - k0; /* keys [k0, k0 + w) */
-        const int64_t tiles = (w + 15) / 16, groups = (w + 31) / 32;
-        for (int64_t t0 = 0; t0 < tiles; t0 += 4) { /* S, four tiles of 16 keys at a time */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            const uint16_t *kt0 = kt + (k0 / 16 + t0) * (dim / 32) * 512;
-            for (int64_t h = 0; h < dim / 32; h++) {
-                _tile_loadd(4, qa[h], 64);
-                _tile_loadd(6, kt0 + h * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (t0 + 1 < tiles) {
-                    _tile_loadd(7, kt0 + (dim / 32 + h) * 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (t0 + 2 < tiles) {
-                    _tile_loadd(6, kt0 + (2 * dim / 32 + h) * 512, 64);
-                    _tile_dpbf16ps(2, 4, 6);
-                }
-                if (t0 + 3 < tiles) {
-                    _tile_loadd(7, kt0 + (3 * dim / 32 + h) * 512, 64);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-            }
-            _tile_stored(0, st + 16 * t0, RUN_CHUNK * 4);
-            if (t0 + 1 < tiles) _tile_stored(1, st + 16 * (t0 + 1), RUN_CHUNK * 4);
-            if (t0 + 2 < tiles) _tile_stored(2, st + 16 * (t0 + 2), RUN_CHUNK * 4);
-            if (t0 + 3 < tiles) _tile_stored(3, st + 16 * (t0 + 3), RUN_CHUNK * 4);
+        const int64_t tiles = (w + 15) / 16;
+        for (int64_t t = 0; t < tiles; t++) { /* S^T of every KV head, 16 keys at a time */
+            const int64_t j = k0 + 16 * t;
+            prefetch_rows(kv->k, kv->k_scale, kv, h0, heads, dim, slots, j + 32, j + 48, n, 0);
+            prefetch_rows(kv->v, kv->v_scale, kv, h0, heads, dim, slots, j, j + 16, n, 1);
+            int64_t kstride;
+            const uint16_t *ks = tile_rows(kv->k, kv->k_scale, kv, h0, heads, dim, slots, j, n, kbuf, &kstride);
+            HEAD_SCORES(0)
+            HEAD_SCORES(1)
+            HEAD_SCORES(2)
+            HEAD_SCORES(3)
         }
-        float alpha[16];
-        for (int64_t r = 0; r < rows; r++) { /* row r's maximum, probabilities (keys w.. zero) and sum */
-            const float *sr = st + r * RUN_CHUNK;
-            __m512 m = _mm512_set1_ps(-INFINITY);
-            for (int64_t j = 0; j < w; j += 16)
-                m = _mm512_mask_max_ps(m, j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1), m,
-                                       _mm512_loadu_ps(sr + j));
-            const float most = fmaxf(best[r], _mm512_reduce_max_ps(m));
-            /* 2^(old max - new max): 0 for the first chunk, exactly 1 where the maximum stays */
-            alpha[r] = best[r] == -INFINITY ? 0.0f : best[r] == most ? 1.0f : exp2f(best[r] - most);
-            best[r] = most;
-            const __m512 mv = _mm512_set1_ps(most);
-            __m512 sum = _mm512_setzero_ps();
-            uint16_t *pr = pb + r * RUN_CHUNK;
-            for (int64_t j = 0; j < 32 * groups; j += 32) {
-                const __mmask16 k0m = j + 16 <= w ? (__mmask16)0xffff : j < w ? (__mmask16)((1u << (w - j)) - 1) : 0;
-                const __mmask16 k1m = j + 32 <= w ? (__mmask16)0xffff : j + 16 < w ? (__mmask16)((1u << (w - j - 16)) - 1) : 0;
-                const __m512 p0 = _mm512_maskz_mov_ps(k0m, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
-                const __m512 p1 = _mm512_maskz_mov_ps(k1m, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), mv)));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-                _mm512_storeu_si512((void *)(pr + j), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        for (int64_t h = 0; h < heads; h++) {
+            const float *sh = st + h * RUN_CHUNK * 16;
+            uint32_t *ph = pa + h * tile_keys;
+            float alpha[16];
+            for (int64_t r = 0; r < rows; r++) { /* row r's maximum, probabilities (keys w.. zero) and sum */
+                const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32((int)r));
+                __m512 m = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < w; j += 16) {
+                    const __mmask16 live = j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1);
+                    m = _mm512_mask_max_ps(m, live, m, _mm512_i32gather_ps(at, sh + 16 * j, 4));
+                }
+                const float most = fmaxf(best[h][r], _mm512_reduce_max_ps(m));
+                /* 2^(old max - new max): 0 for the first chunk, exactly 1 where the maximum stays */
+                alpha[r] = best[h][r] == -INFINITY ? 0.0f : best[h][r] == most ? 1.0f : exp2f(best[h][r] - most);
+                best[h][r] = most;
+                const __m512 mv = _mm512_set1_ps(most);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < 16 * tiles; j += 16) {
+                    const __mmask16 live = j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1);
+                    const __m512 p =
+                        _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(_mm512_i32gather_ps(at, sh + 16 * j, 4), mv)));
+                    sum = _mm512_add_ps(sum, p);
+                    const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+                    _mm512_store_si512((void *)(ph + (j / 16) * 512 + 16 * r), low);
+                    _mm512_store_si512((void *)(ph + (j / 16) * 512 + 256 + 16 * r), _mm512_slli_epi32(low, 16));
+                }
+                total[h][r] = total[h][r] * alpha[r] + _mm512_reduce_add_ps(sum);
             }
-            total[r] = total[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-        }
-        for (int64_t j0 = 0; j0 < dim / 16; j0 += 4) { /* O += P V, four tiles of 16 dims at a time */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t g = 0; g < groups; g++) {
-                const uint16_t *vg = vp + ((k0 / 32 + g) * (dim / 16) + j0) * 512;
-                _tile_loadd(4, pb + 32 * g, RUN_CHUNK * 2);
-                _tile_loadd(6, vg, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (j0 + 1 < dim / 16) {
-                    _tile_loadd(7, vg + 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
+            for (int64_t i0 = 0; i0 < halves; i0 += 2) { /* O += P V for dims 32 i0 .. 32 i0 + 63 */
+                const int two = i0 + 1 < halves;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t j = k0 + 16 * t;
+                    prefetch_rows(kv->v, kv->v_scale, kv, h0 + h, 1, dim, slots, j + 32, j + 48, n, 0);
+                    int64_t vstride;
+                    const uint16_t *vs = tile_rows(kv->v, kv->v_scale, kv, h0 + h, 1, dim, slots, j, n, vbuf, &vstride);
+                    _tile_loadd(4, ph + t * 512, 64);
+                    _tile_loadd(5, ph + t * 512 + 256, 64);
+                    _tile_loadd(6, vs + 32 * i0, vstride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, vs + 32 * (i0 + 1), vstride);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
-                if (j0 + 2 < dim / 16) {
-                    _tile_loadd(6, vg + 2 * 512, 64);
-                    _tile_dpbf16ps(2, 4, 6);
+                _tile_stored(0, part[0], 64);
+                _tile_stored(1, part[1], 64);
+                if (two) {
+                    _tile_stored(2, part[2], 64);
+                    _tile_stored(3, part[3], 64);
                 }
-                if (j0 + 3 < dim / 16) {
-                    _tile_loadd(7, vg + 3 * 512, 64);
-                    _tile_dpbf16ps(3, 4, 7);
+                for (int64_t r = 0; r < rows; r++) {
+                    const __m512 a = _mm512_set1_ps(alpha[r]);
+                    for (int64_t i = 0; i < (two ? 4 : 2); i++) {
+                        float *to = acc[h][r] + 32 * i0 + 16 * i;
+                        _mm512_store_ps(to, _mm512_fmadd_ps(_mm512_load_ps(to), a, _mm512_load_ps(part[i][r])));
+                    }
                 }
-            }
-            _tile_stored(0, part[0], 64);
-            if (j0 + 1 < dim / 16) _tile_stored(1, part[1], 64);
-            if (j0 + 2 < dim / 16) _tile_stored(2, part[2], 64);
-            if (j0 + 3 < dim / 16) _tile_stored(3, part[3], 64);
-            const int64_t width = dim / 16 - j0 < 4 ? dim / 16 - j0 : 4;
-            for (int64_t r = 0; r < rows; r++) {
-                const __m512 a = _mm512_set1_ps(alpha[r]);
-                for (int64_t t = 0; t < width; t++)
-                    _mm512_store_ps(acc[r] + 16 * (j0 + t),
-                                    _mm512_fmadd_ps(_mm512_load_ps(acc[r] + 16 * (j0 + t)), a, _mm512_load_ps(part[t][r])));
             }
         }
     }
     _tile_release();
-    /* acc's 32 values of each 32 dims are in vp's order: value 16 h + 4 l + w is dim 8 l + 4 h + w */
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-    for (int64_t r = 0; r < rows; r++) {
-        if (stats) stats[2 * r] = best[r] * 0.693147180559945309f, stats[2 * r + 1] = total[r];
-        const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
-        for (int64_t d = 0; d < dim; d += 32) {
-            const __m512 a = _mm512_load_ps(acc[r] + d), b = _mm512_load_ps(acc[r] + d + 16);
-            _mm512_storeu_ps(out + r * out_stride + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), inv));
-            _mm512_storeu_ps(out + r * out_stride + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), inv));
+    /* acc's 32 values of each 32 dims: the even dims, then the odd */
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t g = h * rows + r;
+            if (stats) stats[2 * g] = best[h][r] * 0.693147180559945309f, stats[2 * g + 1] = total[h][r];
+            const __m512 inv = _mm512_set1_ps(1.0f / total[h][r]);
+            for (int64_t d = 0; d < dim; d += 32) {
+                const __m512 a = _mm512_load_ps(acc[h][r] + d), b = _mm512_load_ps(acc[h][r] + d + 16);
+                _mm512_storeu_ps(out + g * out_stride + d, _mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), inv));
+                _mm512_storeu_ps(out + g * out_stride + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), inv));
+            }
         }
-    }
 }
+#undef HEAD_SCORES
 
 #else /* no AMX in this compiler: never on */
 int amx_configure(int want) {
@@ -911,14 +938,11 @@ void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t
                    uint16_t *vt, int64_t k0, int64_t k1) {
     (void)kv, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kr, (void)vt, (void)k0, (void)k1;
 }
-void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt,
-                         uint16_t *vp) {
-    (void)kv, (void)kv_head, (void)dim, (void)slots, (void)n, (void)kt, (void)vp;
-}
-void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
-                      int64_t dim, float scale, float *out, int64_t out_stride, float *st, uint16_t *pb, float *stats) {
-    (void)q, (void)q_stride, (void)rows, (void)n, (void)kt, (void)vp, (void)dim, (void)scale, (void)out, (void)out_stride;
-    (void)st, (void)pb, (void)stats;
+void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const KVRows *kv, int64_t h0,
+                      int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out, int64_t out_stride,
+                      float *st, uint32_t *pa, float *stats) {
+    (void)q, (void)q_stride, (void)rows, (void)n, (void)kv, (void)h0, (void)heads, (void)slots, (void)dim, (void)scale;
+    (void)out, (void)out_stride, (void)st, (void)pa, (void)stats;
 }
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,

@@ -18,10 +18,10 @@
  * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
  * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
  * token's result, too, does not depend on the batch nor on where its chunk starts or ends. There the other
- * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the tiles too, the query
- * heads of one KV head as the tile rows and the keys in vector lanes (heads_attend; amx_pack_heads_keys,
- * amx_attend_heads): a token's keys in sequence order laid out in its thread's scratch, so a draft token
- * accepted at depth d still produces exactly what decoding it would.
+ * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the tiles too, reading the
+ * keys' rows where the cache holds them, a block of 16 at a time, with the query heads of one KV head as the
+ * products' other side (heads_attend, amx_attend_heads): a token's keys in sequence order, the same way
+ * whatever the batch, so a draft token accepted at depth d still produces exactly what decoding it would.
  *
  * On a tensor-parallel rank (Decoder.reduce set) the layers hold this rank's heads and MLP channels, and the
  * o_proj and down outputs are summed across the node's ranks in shared memory (all_reduce: the protocol of
@@ -830,15 +830,15 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     int64_t *first_part = malloc(sizeof(int64_t) * (T + 1)); /* token t's parts: first_part[t] .. first_part[t + 1] */
     int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
-    /* heads_attend's per-thread scratch: a token's keys and values laid out, and amx_attend_heads's own */
+    /* heads_attend's per-thread scratch (amx_attend_heads's scores and probabilities) */
     const int by_heads = one_by_one && heads_attend(m);
-    const int64_t lay_size = by_heads ? pad_keys(most_keys) * D : 32; /* bf16 values per thread, a multiple of 32 */
-    const size_t lay_bytes = sizeof(uint16_t) * (size_t)(lay_size * threads);
-    uint16_t *lay_k = aligned_alloc(64, lay_bytes), *lay_v = aligned_alloc(64, lay_bytes);
-    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * 16 * RUN_CHUNK * (size_t)threads : 64);
-    uint16_t *lay_pb = aligned_alloc(64, by_heads ? sizeof(uint16_t) * 16 * RUN_CHUNK * (size_t)threads : 64);
+    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * HEADS_PER_CALL * 16 * RUN_CHUNK * (size_t)threads : 64);
+    uint32_t *lay_pa = aligned_alloc(64, by_heads ? sizeof(uint32_t) * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK * (size_t)threads : 64);
+    /* KV heads per attention task: all of a token's (up to HEADS_PER_CALL), so that its keys' K rows stream in once
+     * for every head, where the parts alone keep the team busy; else one (set once the parts are known) */
+    int64_t head_group = 1, head_tasks = m->num_kv_heads;
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores || !lay_k || !lay_v || !lay_st || !lay_pb || !part_token || !part_index ||
+                       !key_counts || !scores || !lay_st || !lay_pa || !part_token || !part_index ||
                        !first_part || !part_out || !part_stats || !prefetch;
     int reduce_status = 0;
     int64_t late_rank = 0;
@@ -862,6 +862,10 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
                 }
                 first_part[T] = num_parts;
+                if (by_heads && num_parts >= 2 * threads) {
+                    head_group = m->num_kv_heads < HEADS_PER_CALL ? m->num_kv_heads : HEADS_PER_CALL;
+                    head_tasks = (m->num_kv_heads + head_group - 1) / head_group;
+                }
             }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
@@ -908,8 +912,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
-                for (int64_t task = 0; task < num_parts * m->num_kv_heads; task++) {
-                    const int64_t j = task / m->num_kv_heads, kv_head = task % m->num_kv_heads, t = part_token[j];
+                for (int64_t task = 0; task < num_parts * head_tasks; task++) {
+                    const int64_t j = task / head_tasks, kv_head = task % head_tasks * head_group, t = part_token[j];
                     const int64_t parts = key_parts(key_counts[t]), size = part_keys(key_counts[t], parts);
                     const int64_t k0 = part_index[j] * size, n = (k0 + size < key_counts[t] ? k0 + size : key_counts[t]) - k0;
                     const int64_t *slots = key_slots + key_row[t] * most_keys + k0;
@@ -918,11 +922,11 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     float *stats = parts == 1 ? NULL : part_stats + (j * heads + kv_head * group) * 2;
                     if (by_heads) {
                         const int me = omp_get_thread_num();
-                        uint16_t *kr = lay_k + me * lay_size, *vt = lay_v + me * lay_size;
                         const KVRows kv = kv_rows(m, layer);
-                        amx_pack_heads_keys(&kv, kv_head, D, slots, n, kr, vt);
-                        amx_attend_heads(wide + t * qkv_width + at, D, group, n, kr, vt, D, m->scale, out, D,
-                                         lay_st + me * 16 * RUN_CHUNK, lay_pb + me * 16 * RUN_CHUNK, stats);
+                        const int64_t kv_heads = m->num_kv_heads - kv_head < head_group ? m->num_kv_heads - kv_head : head_group;
+                        amx_attend_heads(wide + t * qkv_width + at, D, group, n, &kv, kv_head, kv_heads, slots, D, m->scale,
+                                         out, D, lay_st + me * HEADS_PER_CALL * 16 * RUN_CHUNK,
+                                         lay_pa + me * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK, stats);
                         continue;
                     }
                     attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
@@ -992,10 +996,8 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(part_out);
     free(part_stats);
     free(prefetch);
-    free(lay_k);
-    free(lay_v);
     free(lay_st);
-    free(lay_pb);
+    free(lay_pa);
     if (reduce_status) b->bad = late_rank;
     return failed ? -1 : reduce_status;
 }

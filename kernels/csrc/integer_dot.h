@@ -195,9 +195,9 @@ void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t
 void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
                     const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
                     uint32_t *pt);
-void amx_pack_heads_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kt,
-                         uint16_t *vp);
-void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const uint16_t *kt, const uint16_t *vp,
-                      int64_t dim, float scale, float *out, int64_t out_stride, float *st, uint16_t *pb, float *stats);
+#define HEADS_PER_CALL 4 /* KV heads one amx_attend_heads call takes at most */
+void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const KVRows *kv, int64_t h0,
+                      int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out, int64_t out_stride,
+                      float *st, uint32_t *pa, float *stats);
 
 #endif

@@ -46,10 +46,11 @@ def test_many_row_projections_equal_the_vnni_kernel_bit_for_bit(kind, amx_off_af
 
 
 def model64(seed: int = 0, kind: str = "int4") -> LlamaModel:
-    """A random bf16 Llama with heads of 64 (6 query / 2 KV heads) and `kind` weights in the default layout."""
+    """A random bf16 Llama with heads of 64 (6 query / 2 KV heads), 8,192 positions and `kind` weights in the
+    default layout."""
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=512, num_layers=2, num_heads=6,
-                      num_kv_heads=2, head_dim=64)  # fmt: skip
+                      num_kv_heads=2, head_dim=64, max_position_embeddings=8192)  # fmt: skip
     model = LlamaModel(cfg, torch.bfloat16)
     for p in model.parameters():
         p.data.normal_(0, 0.08)
@@ -214,24 +215,26 @@ def test_prompt_runs_are_at_least_as_accurate_as_the_eager_layers(prompt_bf16, k
         assert fused_error <= eager_error, (cached, new, fused_error, eager_error)
 
 
-def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_layers():
-    """Tokens that attend one by one (a decode, a draft tree's nodes) go through the tiles with a KV head's
-    query heads in the lanes: over more keys than one chunk of the kernel (512), attended in parts of their
-    keys merged afterwards, they stay within the eager layers' error against the layers in fp64, and a tree's
-    chain equals decoding its tokens, bit for bit."""
+@pytest.mark.parametrize("dec", [700, 4500])
+def test_decodes_and_trees_attend_through_the_tiles_as_accurately_as_the_eager_layers(dec):
+    """Tokens that attend one by one (a decode, a draft tree's nodes) go through the tiles, reading the keys
+    where the cache holds them: over more keys than one chunk of the kernel (512; at 4,500 keys each of the
+    eight parts of a decode's keys spans two), attended in parts of their keys merged afterwards, they stay
+    within the eager layers' error against the layers in fp64, and a tree's chain equals decoding its tokens
+    alone (a step whose KV heads go in separate tasks), bit for bit."""
     model = model64(3)
-    kv = cache(128)
-    kv.allocate("dec", 701)
+    kv = cache(400)
+    kv.allocate("dec", dec + 1)
     kv.allocate("tree", 604)
     for layer in range(2):
         kv.k[layer].normal_()
         kv.v[layer].normal_()
     seqs = [
-        SequenceLayout(kv.block_tables["dec"], 700, 1),
+        SequenceLayout(kv.block_tables["dec"], dec, 1),
         SequenceLayout(kv.block_tables["tree"], 600, 4, [-1, 0, 1, 0]),
     ]
     ids = torch.randint(0, 96, (5,))
-    positions = torch.tensor([700, 600, 601, 602, 601])
+    positions = torch.tensor([dec, 600, 601, 602, 601])
     fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions)
     assert fused_error <= eager_error, (fused_error, eager_error)
 
