@@ -749,6 +749,38 @@ static AMX_FN void config_full(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* The scores of `tiles` key tiles st ([16 * tiles][16]: per key its 16 columns, S^T's layout) as rows: column r
+ * (r < rows) to sr[r]. Up to four columns come out of each 16 keys' first 16 bytes by permutes, more by gathers. */
+static inline AMX_FN void score_rows(const float *st, int64_t rows, int64_t tiles, float (*sr)[RUN_CHUNK]) {
+    if (rows > 4) {
+        const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(16));
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32((int)r));
+            for (int64_t t = 0; t < tiles; t++) _mm512_store_ps(sr[r] + 16 * t, _mm512_i32gather_ps(at, st + 256 * t, 4));
+        }
+        return;
+    }
+    __m512i pick[4]; /* column r of keys 0-3 of one vector (4 keys x 4 columns) and keys 4-7 of the next */
+    for (int r = 0; r < 4; r++)
+        pick[r] = _mm512_add_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28, 24, 20, 16, 12, 8, 4, 0),
+                                   _mm512_set1_epi32(r));
+    for (int64_t t = 0; t < tiles; t++) {
+        const float *s = st + 256 * t;
+        __m512 z[4]; /* keys 4i .. 4i + 3, columns 0-3 */
+        for (int i = 0; i < 4; i++) {
+            z[i] = _mm512_castps128_ps512(_mm_load_ps(s + 64 * i));
+            z[i] = _mm512_insertf32x4(z[i], _mm_load_ps(s + 64 * i + 16), 1);
+            z[i] = _mm512_insertf32x4(z[i], _mm_load_ps(s + 64 * i + 32), 2);
+            z[i] = _mm512_insertf32x4(z[i], _mm_load_ps(s + 64 * i + 48), 3);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 lo = _mm512_permutex2var_ps(z[0], pick[r], z[1]), hi = _mm512_permutex2var_ps(z[2], pick[r], z[3]);
+            _mm512_store_ps(sr[r] + 16 * t, _mm512_shuffle_f32x4(lo, hi, 0x44));
+        }
+    }
+}
+
 /* S^T of 16 keys for KV head H of the call (tile H): its 16 keys' rows at ks + H dim (A) times its queries' Q^T
  * (B) per 32 dims, stored to st's head H at key tile t. */
 #define HEAD_SCORES(H)                                                                                       \
@@ -772,8 +804,8 @@ static AMX_FN void config_full(void) {
  * (q + (h rows + r) q_stride, fp32, dim values) reads KV head h0 + h; out + (h rows + r) out_stride =
  * softmax(q K^T scale) V, fp32. The tiles read the keys' K and V rows where the cache holds them, 16 consecutive
  * slots (a block) at a time, with nothing laid out: S^T = K Q^T (A: 16 keys' rows, B: a KV head's queries as
- * columns), every KV head's from the same K rows as they stream in, whose columns the softmax gathers; then O = P V
- * per KV head, two products per 16 keys (A: the probabilities in the low or the high half of each pair, zero in the
+ * columns), every KV head's from the same K rows as they stream in, whose columns become rows for the softmax
+ * (score_rows); then O = P V per KV head, two products per 16 keys (A: the probabilities in the low or the high half of each pair, zero in the
  * other; B: the 16 keys' V rows as they are, dim pairs), which give the even and the odd dims. Keys that are not in
  * consecutive slots, the last partial 16 and an int8 cache's codes go through a copy (tile_rows). A head's results do
  * not depend on which other heads share its call. Keys go RUN_CHUNK at a time (st: [HEADS_PER_CALL][RUN_CHUNK][16]
@@ -790,6 +822,7 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
     uint16_t vbuf[16 * 128] __attribute__((aligned(64)));
     float part[4][16][16] __attribute__((aligned(64))); /* a chunk's P V: even and odd dims of two 32-dim halves */
     float acc[HEADS_PER_CALL][16][128] __attribute__((aligned(64))); /* O: per 32 dims the even dims, then the odd */
+    float sr[16][RUN_CHUNK] __attribute__((aligned(64))); /* a head's scores of a chunk: [row][key] */
     float best[HEADS_PER_CALL][16], total[HEADS_PER_CALL][16];
     const int64_t halves = dim / 32, tile_keys = RUN_CHUNK / 16 * 512; /* pa's values per head */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
@@ -806,8 +839,6 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
             for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(acc[h][r] + d, _mm512_setzero_ps());
             best[h][r] = -INFINITY, total[h][r] = 0.0f;
         }
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
     config_full();
     prefetch_rows(kv->k, kv->k_scale, kv, h0, heads, dim, slots, 0, 32, n, 0);
     for (int64_t k0 = 0; k0 < n; k0 += RUN_CHUNK) {
@@ -828,12 +859,12 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
             const float *sh = st + h * RUN_CHUNK * 16;
             uint32_t *ph = pa + h * tile_keys;
             float alpha[16];
+            score_rows(sh, rows, tiles, sr);
             for (int64_t r = 0; r < rows; r++) { /* row r's maximum, probabilities (keys w.. zero) and sum */
-                const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32((int)r));
                 __m512 m = _mm512_set1_ps(-INFINITY);
                 for (int64_t j = 0; j < w; j += 16) {
                     const __mmask16 live = j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1);
-                    m = _mm512_mask_max_ps(m, live, m, _mm512_i32gather_ps(at, sh + 16 * j, 4));
+                    m = _mm512_mask_max_ps(m, live, m, _mm512_load_ps(sr[r] + j));
                 }
                 const float most = fmaxf(best[h][r], _mm512_reduce_max_ps(m));
                 /* 2^(old max - new max): 0 for the first chunk, exactly 1 where the maximum stays */
@@ -843,8 +874,7 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
                 __m512 sum = _mm512_setzero_ps();
                 for (int64_t j = 0; j < 16 * tiles; j += 16) {
                     const __mmask16 live = j + 16 <= w ? (__mmask16)0xffff : (__mmask16)((1u << (w - j)) - 1);
-                    const __m512 p =
-                        _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(_mm512_i32gather_ps(at, sh + 16 * j, 4), mv)));
+                    const __m512 p = _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(_mm512_load_ps(sr[r] + j), mv)));
                     sum = _mm512_add_ps(sum, p);
                     const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
                     _mm512_store_si512((void *)(ph + (j / 16) * 512 + 16 * r), low);
