@@ -826,7 +826,8 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
     float best[HEADS_PER_CALL][16], total[HEADS_PER_CALL][16];
     const int64_t halves = dim / 32, tile_keys = RUN_CHUNK / 16 * 512; /* pa's values per head */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
-    memset(qt, 0, sizeof qt);
+    for (int64_t h = 0; h < heads; h++) /* columns rows.. zero */
+        memset(qt[h], 0, sizeof qt[h][0] * (size_t)halves);
     for (int64_t h = 0; h < heads; h++)
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + (h * rows + r) * q_stride;
