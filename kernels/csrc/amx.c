@@ -800,31 +800,31 @@ static inline AMX_FN void score_rows(const float *st, int64_t rows, int64_t tile
     }
 
 /* Attention of one token's query heads over its keys [0, n) (cache slots slots[0..n), in sequence order) for KV heads
- * [h0, h0 + heads) (heads <= HEADS_PER_CALL), `rows` (<= 16) query heads each: query head h rows + r of the call
- * (q + (h rows + r) q_stride, fp32, dim values) reads KV head h0 + h; out + (h rows + r) out_stride =
- * softmax(q K^T scale) V, fp32. The tiles read the keys' K and V rows where the cache holds them, 16 consecutive
- * slots (a block) at a time, with nothing laid out: S^T = K Q^T (A: 16 keys' rows, B: a KV head's queries as
- * columns), every KV head's from the same K rows as they stream in, whose columns become rows for the softmax
- * (score_rows); then O = P V per KV head, two products per 16 keys (A: the probabilities in the low or the high half of each pair, zero in the
- * other; B: the 16 keys' V rows as they are, dim pairs), which give the even and the odd dims. Keys that are not in
- * consecutive slots, the last partial 16 and an int8 cache's codes go through a copy (tile_rows). A head's results do
- * not depend on which other heads share its call. Keys go RUN_CHUNK at a time (st: [HEADS_PER_CALL][RUN_CHUNK][16]
- * fp32 scores of 16 columns; pa: [HEADS_PER_CALL][RUN_CHUNK / 16][2][16][16] the probabilities as A tiles, per 16
- * keys row r's bf16 probability of key i in the low half of pair i, then in the high half; rows `rows`.. are never
- * written, and only reach output rows that are dropped), the sums rescaled when a row's maximum grows. dim: 32, 64,
- * 96 or 128. With `stats` (else NULL), query head g's softmax maximum and sum go to stats[2 g] and stats[2 g + 1],
- * in natural-log units. */
+ * [h0, h0 + heads) (heads <= HEADS_PER_CALL), `rows` (<= 16) query heads each: query head h rows + r of the call (q +
+ * (h rows + r) q_stride, fp32, dim values) reads KV head h0 + h; out + (h rows + r) out_stride = softmax(q K^T scale)
+ * V, fp32. The tiles read the keys' K and V rows where the cache holds them, 16 consecutive slots (a block) at a time,
+ * with nothing laid out: S^T = K Q^T (A: 16 keys' rows, B: a KV head's queries as columns), every KV head's from the
+ * same K rows as they stream in, whose columns become rows for the softmax (score_rows); then O = P V per KV head, two
+ * products per 16 keys (A: the probabilities in the low or the high half of each pair, zero in the other; B: the 16
+ * keys' V rows as they are, dim pairs), which give the even and the odd dims. Keys that are not in consecutive slots,
+ * the last partial 16 and an int8 cache's codes go through a copy (tile_rows). A head's results do not depend on which
+ * other heads share its call. Keys go RUN_CHUNK at a time (st: [HEADS_PER_CALL + 1][RUN_CHUNK][16] fp32, per head the
+ * scores of 16 columns, then one head's as rows [16][RUN_CHUNK]; pa: [HEADS_PER_CALL][RUN_CHUNK / 16][2][16][16] the
+ * probabilities as A tiles, per 16 keys row r's bf16 probability of key i in the low half of pair i, then in the high
+ * half; rows `rows`.. are never written, and only reach output rows that are dropped), the sums rescaled when a row's
+ * maximum grows. dim: 32, 64, 96 or 128. With `stats` (else NULL), query head g's softmax maximum and sum go to
+ * stats[2 g] and stats[2 g + 1], in natural-log units. */
 AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const KVRows *kv, int64_t h0,
                              int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out,
                              int64_t out_stride, float *st, uint32_t *pa, float *stats) {
-    uint32_t qt[HEADS_PER_CALL][4][16][16] __attribute__((aligned(64))); /* per head, 32 dims: Q^T (B), row p: dims 2p, 2p + 1 */
+    uint32_t qt[HEADS_PER_CALL][4][16][16] __attribute__((aligned(64))); /* per head, 32 dims: Q^T (B), dim pairs */
     uint16_t kbuf[16 * HEADS_PER_CALL * 128] __attribute__((aligned(64))); /* tile_rows' copies: 16 keys of K, of V */
     uint16_t vbuf[16 * 128] __attribute__((aligned(64)));
     float part[4][16][16] __attribute__((aligned(64))); /* a chunk's P V: even and odd dims of two 32-dim halves */
     float acc[HEADS_PER_CALL][16][128] __attribute__((aligned(64))); /* O: per 32 dims the even dims, then the odd */
-    float sr[16][RUN_CHUNK] __attribute__((aligned(64))); /* a head's scores of a chunk: [row][key] */
     float best[HEADS_PER_CALL][16], total[HEADS_PER_CALL][16];
     const int64_t halves = dim / 32, tile_keys = RUN_CHUNK / 16 * 512; /* pa's values per head */
+    float(*sr)[RUN_CHUNK] = (float(*)[RUN_CHUNK])(st + HEADS_PER_CALL * RUN_CHUNK * 16); /* one head's, as rows */
     const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
     for (int64_t h = 0; h < heads; h++) /* columns rows.. zero */
         memset(qt[h], 0, sizeof qt[h][0] * (size_t)halves);

@@ -832,7 +832,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
     /* heads_attend's per-thread scratch (amx_attend_heads's scores and probabilities) */
     const int by_heads = one_by_one && heads_attend(m);
-    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * HEADS_PER_CALL * 16 * RUN_CHUNK * (size_t)threads : 64);
+    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * (HEADS_PER_CALL + 1) * 16 * RUN_CHUNK * (size_t)threads : 64);
     uint32_t *lay_pa = aligned_alloc(64, by_heads ? sizeof(uint32_t) * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK * (size_t)threads : 64);
     /* KV heads per attention task: all of a token's (up to HEADS_PER_CALL), so that its keys' K rows stream in once
      * for every head, where the parts alone keep the team busy; else one (set once the parts are known) */
@@ -925,7 +925,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const KVRows kv = kv_rows(m, layer);
                         const int64_t kv_heads = m->num_kv_heads - kv_head < head_group ? m->num_kv_heads - kv_head : head_group;
                         amx_attend_heads(wide + t * qkv_width + at, D, group, n, &kv, kv_head, kv_heads, slots, D, m->scale,
-                                         out, D, lay_st + me * HEADS_PER_CALL * 16 * RUN_CHUNK,
+                                         out, D, lay_st + me * (HEADS_PER_CALL + 1) * 16 * RUN_CHUNK,
                                          lay_pa + me * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK, stats);
                         continue;
                     }
