@@ -818,8 +818,8 @@ AMX_FN void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int
                              int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out,
                              int64_t out_stride, float *st, uint32_t *pa, float *stats) {
     uint32_t qt[HEADS_PER_CALL][4][16][16] __attribute__((aligned(64))); /* per head, 32 dims: Q^T (B), dim pairs */
-    uint16_t kbuf[16 * HEADS_PER_CALL * 128] __attribute__((aligned(64))); /* tile_rows' copies: 16 keys of K, of V */
-    uint16_t vbuf[16 * 128] __attribute__((aligned(64)));
+    uint16_t kbuf[16 * HEADS_PER_CALL * 128] __attribute__((aligned(64))); /* tile_rows' copies: 16 keys of K (all heads) */
+    uint16_t vbuf[16 * 128] __attribute__((aligned(64))); /* and of V (one head) */
     float part[4][16][16] __attribute__((aligned(64))); /* a chunk's P V: even and odd dims of two 32-dim halves */
     float acc[HEADS_PER_CALL][16][128] __attribute__((aligned(64))); /* O: per 32 dims the even dims, then the odd */
     float best[HEADS_PER_CALL][16], total[HEADS_PER_CALL][16];
