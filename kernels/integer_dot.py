@@ -3,9 +3,9 @@
 PyTorch's weight-only CPU kernels widen every weight to float before multiplying. Like llama.cpp, this
 kernel instead quantizes the activations to int8 in blocks of 32 and multiplies them with the weights'
 codes as integers, so a step reads each weight byte once and does a quarter of the float work. The same
-library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c) and, for CPUs with
-AVX512-VNNI, products over weights interleaved 16 output rows at a time (csrc/vnni.c), whose cost grows
-far less with the number of activation rows (verified draft trees, batches); on CPUs with AMX, the same
+library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c) and products over weights
+interleaved 16 output rows at a time (csrc/vnni.c: AVX512-VNNI, else AVX2), whose cost grows far less
+with the number of activation rows (verified draft trees, batches); on CPUs with AMX, the same
 products 16 rows per tile product and the attention of long prompt chunks (csrc/amx.c). The C sources are
 compiled with the system's C compiler on first use, into `$LYANNA_CACHE_DIR/kernels` (else
 ~/.cache/lyanna-serve/kernels), keyed by the sources' hash; where there is no compiler, no AVX2/FMA, or
@@ -207,7 +207,8 @@ INTERLEAVE = 16  # output rows per block
 
 @functools.cache
 def vnni_supported() -> bool:
-    """Whether the kernel builds and this CPU has AVX512-F/BW/VNNI (then `vnni_matmul` runs)."""
+    """Whether the kernel builds and this CPU has AVX512-F/BW/VNNI (then `vnni_matmul` runs on `vpdpbusd`; elsewhere
+    on AVX2)."""
     lib = _library()
     return lib is not None and bool(lib.vnni_supported())
 

@@ -8,9 +8,10 @@ Three layouts compute the products, all taking and returning bf16:
 - "integer_dot" (the default where it builds, kernels/integer_dot.py): int8 activations times the codes as
   integers, llama.cpp's way; int8 weights have a scale per group of 32 (GGUF's Q8_0); scales and
   minimums are fp16, as GGUF stores them.
-- "vnni" (the default on CPUs with AVX512-VNNI): the same numbers, with the codes interleaved 16 output
-  rows at a time for VNNI dot products, so a product of several activation rows costs little more than
-  one (weights whose output size is not a multiple of 16 keep "integer_dot").
+- "vnni" (the default): the same numbers, with the codes interleaved 16 output rows at a time for dot
+  products of 4 inputs of 16 (AVX512-VNNI) or 8 (AVX2) rows per instruction, so a product of several
+  activation rows costs little more than one (weights whose output size is not a multiple of 16 keep
+  "integer_dot").
 - "torch": PyTorch's own kernels (`_weight_int8pack_mm`, int8 per output channel;
   `_weight_int4pack_mm_for_cpu`, bf16 scales and zeros), which widen the weights to float (their
   fp32-activation paths are ~10x slower on an AVX2 CPU, measured). Kernel mode "torch" forces them.
@@ -41,11 +42,11 @@ INTEGER_LAYOUTS = ("integer_dot", "vnni")  # the layouts of kernels/integer_dot.
 
 
 def default_layout() -> str:
-    """ "vnni" on AVX512-VNNI CPUs and "integer_dot" on others where the kernel builds and the kernel mode is
-    not "torch", else "torch"."""
+    """ "vnni" where the integer-dot kernels build (x86 with AVX2) and the kernel mode is not "torch", else
+    "torch"."""
     if kernel_mode() == "torch" or not integer_dot.available():
         return "torch"
-    return "vnni" if integer_dot.vnni_supported() else "integer_dot"
+    return "vnni"
 
 
 @dataclass

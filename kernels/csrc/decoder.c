@@ -43,7 +43,7 @@ typedef struct {
     const uint16_t *scales; /* [n, k / 32] fp16 (interleaved: per block of 16 rows and group) */
     const uint16_t *mins;   /* [n, k / 32] fp16 (w = q * d + m); NULL for a q8 weight in the row layout */
     int64_t n, k, bits;     /* bits: 4 or 8 */
-    int64_t interleaved;    /* 1: vnni.c's layout (AVX512-VNNI) */
+    int64_t interleaved;    /* 1: vnni.c's layout (16 output rows interleaved) */
 } QWeight;
 
 typedef struct {
@@ -145,8 +145,8 @@ static void project(const QWeight *w, const Blocks *a, const Rows *r, int64_t ro
         const int64_t b0 = blocks * t / teams, b1 = blocks * (t + 1) / teams;
         const int bits = (int)w->bits;
         if (!r->xb) { /* amx.c computes the same numbers as vnni.c, 16 rows per tile product */
-            (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq, a->dx,
-                                                                    a->sx, rows, out, b0, b1);
+            (rows >= 16 && amx_active() ? amx_blocks : interleaved_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq,
+                                                                           a->dx, a->sx, rows, out, b0, b1);
         } else {
             uint16_t *wb = r->wb + t * r->wb_size;
             const int64_t most = r->wb_size / (groups * 512) / 2 * 2; /* blocks of a panel (even, >= 2) */

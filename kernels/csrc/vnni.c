@@ -1,4 +1,5 @@
-/* Integer-dot matrix products on CPUs with AVX512-VNNI, for weights interleaved 16 output rows at a time.
+/* Integer-dot matrix products for weights interleaved 16 output rows at a time: vpdpbusd on CPUs with AVX512-VNNI,
+ * vpmaddubsw on the others (AVX2).
  *
  * The row layout of int4_gemm.c takes one weight row at a time, and each of its groups costs several
  * instructions per activation row (widening products, horizontal sums, scaling), so a few activation
@@ -16,6 +17,13 @@
  * Activations are the same int8 blocks as int4_gemm.c's. A group's product is exact in int32 and scaled
  * once per group and activation row; every activation row is computed in the same order whatever the
  * other rows are.
+ *
+ * Without VNNI (avx2_blocks) each half of a block (8 output rows, 32 bytes of each 64) is one AVX2 register:
+ * vpmaddubsw multiplies 4 inputs of 8 rows with 4 broadcast activations into pairs of int16 sums. A 4-bit group's
+ * 16 such products add up in int16 without overflow (|sum| <= 32 * 15 * 127 < 32767), so they take one vpmaddwd
+ * per group; every float operation is vnni.c's, so 4-bit products are the same numbers on both kinds of CPU. An
+ * 8-bit weight's codes are taken back to signed q (|q| <= 127 keeps each pair within int16) and the group's sum is
+ * q . x, so there its products differ from VNNI's (q + 128) . x - 128 d . sx in rounding only.
  */
 #include <omp.h>
 
@@ -97,6 +105,102 @@ VNNI void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m
     }
 }
 
+#define AVX2_ROWS 4 /* activation rows per register tile without VNNI */
+
+/* Half h (output rows 8 h .. 8 h + 7) of one block against R activation rows (R a constant at each call). */
+static inline __attribute__((always_inline)) void half_rows(
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t groups, const int8_t *xq,
+    const float *dx, const float *sx, int64_t k, int R, int h, float *out, int64_t out_stride) {
+    __m256 acc[AVX2_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dots[AVX2_ROWS];
+        if (bits == 4) {
+            __m256i pairs[AVX2_ROWS];
+            const uint8_t *w = codes + g * 256 + 32 * h;
+            for (int p = 0; p < 4; p++) {
+                const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + 64 * p));
+                const __m256i lo = _mm256_and_si256(packed, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                for (int r = 0; r < R; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, xq + r * k + g * GROUP + 8 * p, 4);
+                    memcpy(&x1, xq + r * k + g * GROUP + 8 * p + 4, 4);
+                    const __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                    pairs[r] = p ? _mm256_add_epi16(pairs[r], two) : two;
+                }
+            }
+            for (int r = 0; r < R; r++) dots[r] = _mm256_madd_epi16(pairs[r], ones);
+        } else {
+            const uint8_t *w = codes + g * 512 + 32 * h;
+            for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 64 * s)), flip);
+                const __m256i magnitude = _mm256_sign_epi8(q, q);
+                for (int r = 0; r < R; r++) {
+                    int32_t x0;
+                    memcpy(&x0, xq + r * k + g * GROUP + 4 * s, 4);
+                    const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(x0), q);
+                    dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+                }
+            }
+        }
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * 16 + 8 * h)));
+        const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g * 16 + 8 * h)));
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + g]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), s, acc[r]);
+            if (bits == 4) acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(sx[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[r]);
+}
+
+#define AVX2_TILE(call)                                                                 \
+    switch (R) {                                                                        \
+    case 1: call(1); break;                                                             \
+    case 2: call(2); break;                                                             \
+    case 3: call(3); break;                                                             \
+    default: call(4); break;                                                            \
+    }
+
+/* vnni_blocks without VNNI: blocks [b0, b1) of out [rows, n] fp32 = activations @ W.T. */
+static void avx2_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                        const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
+                        int64_t b1) {
+    const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8;
+    for (int64_t b = b0; b < b1; b++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += AVX2_ROWS) {
+            const int R = rows - r0 < AVX2_ROWS ? (int)(rows - r0) : AVX2_ROWS;
+            for (int h = 0; h < 2; h++) {
+#define HALF(C) half_rows(codes + b * block_bytes, d + b * groups * 16, m + b * groups * 16, bits, groups, xq + r0 * k, \
+                          dx + r0 * groups, sx + r0 * groups, k, C, h, out + r0 * n + 16 * b, n)
+                AVX2_TILE(HALF)
+#undef HALF
+            }
+        }
+    }
+}
+
+/* Whether this CPU runs the VNNI kernels (cached after the first call). */
+int vnni_supported(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vnni");
+    }
+    return known;
+}
+
+void interleaved_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+                        const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
+                        int64_t b1) {
+    (vnni_supported() ? vnni_blocks : avx2_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+}
+
 /* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads (the
  * same numbers through amx.c's tiles where they run). */
 void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
@@ -105,14 +209,7 @@ void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int b
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads();
-        (rows >= 16 && amx_active() ? amx_blocks : vnni_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out,
-                                                                blocks * t / teams, blocks * (t + 1) / teams);
+        (rows >= 16 && amx_active() ? amx_blocks : interleaved_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out,
+                                                                       blocks * t / teams, blocks * (t + 1) / teams);
     }
-}
-
-/* Whether this CPU runs the kernels above. */
-int vnni_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
 }
