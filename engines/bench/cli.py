@@ -20,7 +20,8 @@ ignored) so all do equal work. `--compare-llamacpp` does the same with llama.cpp
 `peers` extra) on its fastest CPU format and as shipped: `llamacpp-q4_0` (the GGUF requantized to Q4_0,
 every tensor, cached) and `llamacpp-q4_1` (the shipped GGUF), flash attention on, one sequence at a time
 through its C API (`--llamacpp-formats` also takes `bf16`). `--compare-vllm` runs vLLM's CPU build
-(`vllm`) on the same token-id prompts, waves and checkpoint folder, in bf16, from its own virtual
+(`vllm`) on the same token-id prompts, waves and checkpoint folder, in bf16 (fp32 on CPUs without bf16
+arithmetic, where vLLM's bf16 linears fall back to emulation: `--vllm-dtype`), from its own virtual
 environment (scripts/vllm_cpu_env.sh makes it on demand; `--vllm-venv` or $LYANNA_VLLM_VENV names one),
 bound to as many cores as torch uses. Every side reports end-to-end tokens/s (prefill included) and
 decode-only tokens/s: the tokens after every sequence of a wave has its first token over the time after
@@ -54,6 +55,7 @@ from engines.bench.wave import WaveTiming, cpu_info, spread
 from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
 from engines.engine_config import EngineConfig, add_engine_args, engine_config_from_args
+from engines.kv_cache import cpu_has_half_precision_math
 from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
 from engines.spec_decode.stats import SpecStats
@@ -223,7 +225,7 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--compare-vllm",
         action="store_true",
-        help="also time vLLM's CPU build (bf16, own virtual environment) on the same checkpoint folder",
+        help="also time vLLM's CPU build (own virtual environment) on the same checkpoint folder",
     )
     ap.add_argument(
         "--vllm-venv",
@@ -232,6 +234,13 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
         "made by scripts/vllm_cpu_env.sh when it holds no vLLM)",
     )
     ap.add_argument("--vllm-kvcache-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE unless set")
+    ap.add_argument(
+        "--vllm-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="vLLM's weights and compute: auto = bfloat16 on CPUs with bf16 arithmetic (AVX512-BF16, AMX), else "
+        "float32, its faster choice there",
+    )
     ap.add_argument("--vllm-args", default=None, help="JSON object of further vllm.LLM arguments")
     ap.add_argument("--repeat", type=int, default=1, help="run the interleaved measurement N times (3+ for ratios)")
     ap.add_argument(
@@ -240,6 +249,13 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
         default=False,
         help="prefix caching in our engines and vLLM (off: repeats would skip the prompts' prefill)",
     )
+
+
+def vllm_dtype(setting: str) -> str:
+    """vLLM's dtype for `--vllm-dtype`: "auto" is bfloat16 where this CPU has bf16 arithmetic, else float32."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if cpu_has_half_precision_math(torch.bfloat16) else "float32"
 
 
 def make_peers(args: argparse.Namespace, first: LLMEngine, prompts: list[list[int]]) -> tuple[dict[str, Any], dict]:
@@ -280,6 +296,7 @@ def make_peers(args: argparse.Namespace, first: LLMEngine, prompts: list[list[in
             threads=threads,
             seed=args.seed,
             kvcache_gib=args.vllm_kvcache_gib,
+            dtype=vllm_dtype(args.vllm_dtype),
             enable_prefix_caching=args.prefix_caching,
             llm_kwargs=json.loads(args.vllm_args) if args.vllm_args else None,
         )
