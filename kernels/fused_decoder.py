@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engines.kv_cache import cpu_has_half_precision_math
 from kernels import integer_dot
 from kernels.dispatch import kernel_mode
 from kernels.quantized_linear import INTEGER_LAYOUTS
@@ -154,8 +155,12 @@ def profile(on: bool) -> dict[str, float]:
 
 
 def max_rows() -> int:
-    """The most new tokens one call takes: `MANY_ROWS` where the AMX kernels run, else `MAX_ROWS`."""
-    return MANY_ROWS if integer_dot.amx_active() else MAX_ROWS
+    """The most new tokens one call takes: `MANY_ROWS` where the AMX kernels run, and on CPUs without bf16
+    arithmetic (AVX2), whose eager layers compute in fp32 (a prompt's projections through the int8 blocks
+    and its attention as a run, avx2_attend_run, cost less there); else `MAX_ROWS`."""
+    if integer_dot.amx_active() or not cpu_has_half_precision_math(torch.bfloat16):
+        return MANY_ROWS
+    return MAX_ROWS
 
 
 def shared_segment(tp: TensorParallel) -> SharedSegment | None:

@@ -390,6 +390,125 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
     }
 }
 
+/* A prompt run's attention without AMX: each run's keys and values laid out once per layer and KV head as fp32
+ * (keys transposed 16 at a time, kt [n_pad / 16][dim][16], so that a block of 16 keys' scores is 16 lanes of FMAs
+ * over contiguous memory; values v [n_pad][dim]),
+ * and a tile of up to 16 consecutive query rows of one head scored against them 4 rows by 16 keys at a time,
+ * flash-style: keys in chunks of RUN_KEYS_AVX2 from key 0, each row's softmax updated per chunk. Every query row is
+ * computed the same way whatever rows share its tile: its chunks start at fixed keys, keys past its own end score
+ * -inf (their probabilities are exact zeros, which add nothing), and its sums run in key order. */
+#define RUN_KEYS_AVX2 256
+#define RUN_TILE_ROWS 4 /* query rows of a register tile (6 measured no faster) */
+
+/* Keys [k0, k1) of a run (n of them, the rest zeros up to n_pad) of KV head kv_head, laid out as above. */
+static void avx2_pack_keys(const Decoder *m, const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n,
+                           int64_t n_pad, float *kt, float *v, int64_t k0, int64_t k1) {
+    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim, groups = dim / 32;
+    for (int64_t j = k0; j < k1; j++) {
+        if (j >= n) {
+            for (int64_t i = 0; i < dim; i++) kt[(j / 16 * dim + i) * 16 + j % 16] = 0.0f, v[j * dim + i] = 0.0f;
+            continue;
+        }
+        const int64_t at = slots[j] * row + kv_head * dim;
+        const uint16_t *ks = m->cache_int8 ? layer->k_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
+        const uint16_t *vs = m->cache_int8 ? layer->v_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
+        for (int64_t i = 0; i < dim; i += 8) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, load8(layer->k_cache, at + i, m, ks ? bf16_to_float(ks[i / 32]) : 1.0f));
+            for (int l = 0; l < 8; l++) kt[(j / 16 * dim + i + l) * 16 + j % 16] = lanes[l];
+            _mm256_storeu_ps(v + j * dim + i, load8(layer->v_cache, at + i, m, vs ? bf16_to_float(vs[i / 32]) : 1.0f));
+        }
+    }
+}
+
+/* Query rows q[0..rows) (q_stride apart) of one head; row i attends keys [0, limit + i) of kt / v (above). out[i] =
+ * softmax(q[i] . K * scale) V, out_stride apart. sc: scratch of 16 * RUN_KEYS_AVX2 floats. */
+static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const float *kt, const float *v,
+                            int64_t n_pad, int64_t dim, float scale, float *out, int64_t out_stride, float *sc) {
+    float most[16], total[16];
+    for (int64_t i = 0; i < rows; i++) {
+        most[i] = -INFINITY, total[i] = 0.0f;
+        for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] = 0.0f;
+    }
+    const int64_t last = limit + rows - 1; /* keys of the last row */
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
+    for (int64_t k0 = 0; k0 < last; k0 += RUN_KEYS_AVX2) {
+        const int64_t k1 = k0 + RUN_KEYS_AVX2 < last ? k0 + RUN_KEYS_AVX2 : last, width = (k1 - k0 + 15) / 16 * 16;
+        for (int64_t i0 = 0; i0 < rows; i0 += RUN_TILE_ROWS) { /* scores, RUN_TILE_ROWS rows x 16 keys at a time */
+            const int64_t R = rows - i0 < RUN_TILE_ROWS ? rows - i0 : RUN_TILE_ROWS;
+            for (int64_t j = 0; j < width; j += 16) {
+                __m256 acc[RUN_TILE_ROWS][2];
+                for (int64_t r = 0; r < RUN_TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+                const float *kd = kt + (k0 + j) * dim; /* the block of keys k0 + j .. k0 + j + 15 */
+                for (int64_t d = 0; d < dim; d++) {
+                    const __m256 a = _mm256_load_ps(kd + d * 16), b = _mm256_load_ps(kd + d * 16 + 8);
+                    for (int64_t r = 0; r < R; r++) {
+                        const __m256 x = _mm256_set1_ps(q[(i0 + r) * q_stride + d]);
+                        acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);
+                    }
+                }
+                for (int64_t r = 0; r < R; r++) { /* key k0 + j + l of row i0 + r is past its end from limit + i0 + r */
+                    const __m256 end = _mm256_set1_ps((float)(limit + i0 + r - k0 - j));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256 past = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * h)), end, _CMP_GE_OQ);
+                        _mm256_storeu_ps(sc + (i0 + r) * RUN_KEYS_AVX2 + j + 8 * h,
+                                         _mm256_blendv_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(scale)), minus_inf, past));
+                    }
+                }
+            }
+        }
+        for (int64_t i = 0; i < rows; i++) { /* each row's softmax over the chunk, its output rescaled */
+            float *row = sc + i * RUN_KEYS_AVX2;
+            if (limit + i <= k0) { /* no key of this row in the chunk */
+                for (int64_t j = 0; j < width; j++) row[j] = 0.0f;
+                continue;
+            }
+            __m256 high = minus_inf;
+            for (int64_t j = 0; j < width; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
+            float lanes[8], now = most[i];
+            _mm256_storeu_ps(lanes, high);
+            for (int l = 0; l < 8; l++) now = fmaxf(now, lanes[l]);
+            __m256 sums = _mm256_setzero_ps();
+            for (int64_t j = 0; j < width; j += 8) {
+                const __m256 s = _mm256_loadu_ps(row + j);
+                const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(now))), _mm256_cmp_ps(s, minus_inf, _CMP_NEQ_OQ));
+                _mm256_storeu_ps(row + j, p);
+                sums = _mm256_add_ps(sums, p);
+            }
+            const float keep = most[i] == -INFINITY ? 0.0f : expf(most[i] - now);
+            total[i] = total[i] * keep + hsum(sums);
+            most[i] = now;
+            if (keep != 1.0f)
+                for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] *= keep;
+        }
+        for (int64_t i0 = 0; i0 < rows; i0 += RUN_TILE_ROWS) { /* out += P V, RUN_TILE_ROWS rows x 16 dims at a time */
+            const int64_t R = rows - i0 < RUN_TILE_ROWS ? rows - i0 : RUN_TILE_ROWS;
+            for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+                __m256 acc[RUN_TILE_ROWS][2];
+                for (int64_t r = 0; r < R; r++)
+                    for (int h = 0; h < 2; h++) acc[r][h] = _mm256_loadu_ps(out + (i0 + r) * out_stride + d0 + 8 * h);
+                const float *vd = v + k0 * dim + d0;
+                for (int64_t j = 0; j < width; j++) {
+                    const __m256 a = _mm256_loadu_ps(vd + j * dim), b = _mm256_loadu_ps(vd + j * dim + 8);
+                    for (int64_t r = 0; r < R; r++) {
+                        const __m256 p = _mm256_set1_ps(sc[(i0 + r) * RUN_KEYS_AVX2 + j]);
+                        acc[r][0] = _mm256_fmadd_ps(p, a, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(p, b, acc[r][1]);
+                    }
+                }
+                for (int64_t r = 0; r < R; r++)
+                    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (i0 + r) * out_stride + d0 + 8 * h, acc[r][h]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / total[i]);
+        for (int64_t d = 0; d < dim; d += 8)
+            _mm256_storeu_ps(out + i * out_stride + d, _mm256_mul_ps(_mm256_loadu_ps(out + i * out_stride + d), inv));
+    }
+}
+
 /* Whether one-by-one tokens attend through amx_attend_heads (the tiles) rather than `attend`. */
 static int heads_attend(const Decoder *m) {
     return amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
@@ -646,9 +765,12 @@ int decoder_profile(int on, double *out) {
 
 static inline int64_t pad_keys(int64_t n) { return (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS; }
 
-/* How many lead new tokens of sequence s attend through amx_attend_run (the rest token by token, attend). */
+/* Whether prompt runs attend through amx_attend_run (AMX, a bf16 or int8 cache) rather than avx2_attend_run. */
+static int amx_runs(const Decoder *m) { return amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0; }
+
+/* How many lead new tokens of sequence s attend as a run (the rest token by token, attend). */
 static int64_t run_tokens(const Decoder *m, const Batch *b, int64_t s) {
-    return b->runs && amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0 ? b->runs[s] : 0;
+    return b->runs && (amx_runs(m) || m->head_dim % 16 == 0) ? b->runs[s] : 0;
 }
 
 /* The runs of a batch: per run its sequence, laid-out keys (padded) and where its buffers start; per task
@@ -658,8 +780,9 @@ typedef struct {
     int64_t *seq, *n_pad, *slot_at, *buf_at; /* [runs] */
     int64_t *slots;                          /* every run's key slots in sequence order */
     int64_t (*pack)[3], (*attend)[3];
-    uint16_t *kr, *vt; /* per run and KV head: its keys and values laid out (amx_pack_keys), n_pad * dim each */
-    float *scores;     /* per thread: [2][RUN_CHUNK][16] (amx_attend_run's scratch) */
+    void *kr, *vt;     /* per run and KV head: its keys and values laid out, n_pad * dim each (amx_pack_keys: bf16;
+                        * avx2_pack_keys: fp32) */
+    float *scores;     /* per thread: [2][RUN_CHUNK][16] (amx_attend_run's scratch; avx2_attend_run's, 16 * RUN_KEYS_AVX2) */
     uint32_t *probs;   /* per thread: [RUN_CHUNK / 2][16] */
 } Runs;
 
@@ -696,7 +819,7 @@ static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
     r->slot_at = malloc(sizeof(int64_t) * runs), r->buf_at = malloc(sizeof(int64_t) * runs);
     r->slots = malloc(sizeof(int64_t) * keys);
     r->pack = malloc(sizeof(int64_t[3]) * pack), r->attend = malloc(sizeof(int64_t[3]) * attend);
-    const size_t bytes = sizeof(uint16_t) * (size_t)(padded * Hk * D); /* a multiple of 64 (n_pad of 64, D of 32) */
+    const size_t bytes = (amx_runs(m) ? 2 : 4) * (size_t)(padded * Hk * D); /* a multiple of 64 (n_pad of 64) */
     r->kr = aligned_alloc(64, bytes), r->vt = aligned_alloc(64, bytes);
     r->scores = aligned_alloc(64, sizeof(float) * 2 * 16 * RUN_CHUNK * (size_t)threads);
     r->probs = aligned_alloc(64, sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads);
@@ -893,8 +1016,14 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const int64_t n_pad = runs.n_pad[r], end = k0 + PACK_KEYS < n_pad ? k0 + PACK_KEYS : n_pad;
                         const int64_t at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t s = runs.seq[r], keys = b->seq_lens[s] - (b->query_start[s + 1] - b->query_start[s]) + run_tokens(m, b, s);
-                        const KVRows kv = kv_rows(m, layer);
-                        amx_pack_keys(&kv, kvh, D, runs.slots + runs.slot_at[r], keys, runs.kr + at, runs.vt + at, k0, end);
+                        if (amx_runs(m)) {
+                            const KVRows kv = kv_rows(m, layer);
+                            amx_pack_keys(&kv, kvh, D, runs.slots + runs.slot_at[r], keys, (uint16_t *)runs.kr + at,
+                                          (uint16_t *)runs.vt + at, k0, end);
+                        } else {
+                            avx2_pack_keys(m, layer, kvh, runs.slots + runs.slot_at[r], keys, n_pad, (float *)runs.kr + at,
+                                           (float *)runs.vt + at, k0, end);
+                        }
                     }
                     MARK(PHASE_PACK)
 #pragma omp for schedule(dynamic, 1) nowait
@@ -904,11 +1033,18 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                         const int64_t num_new = b->query_start[s + 1] - first;
                         const int64_t n_pad = runs.n_pad[r], at = runs.buf_at[r] + kvh * n_pad * D;
                         const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
-                        for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) /* one KV head's keys stay in cache */
-                            amx_attend_run(wide + t * qkv_width + head * D, qkv_width, rows, b->seq_lens[s] - num_new + i0 + 1,
-                                       runs.kr + at, runs.vt + at, D, m->scale, act + t * q_width + head * D, q_width,
-                                       runs.scores + omp_get_thread_num() * 2 * 16 * RUN_CHUNK,
-                                       runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
+                        const int64_t limit = b->seq_lens[s] - num_new + i0 + 1;
+                        float *scratch = runs.scores + omp_get_thread_num() * 2 * 16 * RUN_CHUNK;
+                        for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) { /* one KV head's keys stay in cache */
+                            const float *q = wide + t * qkv_width + head * D;
+                            float *out = act + t * q_width + head * D;
+                            if (amx_runs(m))
+                                amx_attend_run(q, qkv_width, rows, limit, (uint16_t *)runs.kr + at, (uint16_t *)runs.vt + at, D,
+                                               m->scale, out, q_width, scratch, runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
+                            else
+                                avx2_attend_run(q, qkv_width, rows, limit, (float *)runs.kr + at, (float *)runs.vt + at, n_pad,
+                                                D, m->scale, out, q_width, scratch);
+                        }
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */

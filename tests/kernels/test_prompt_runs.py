@@ -1,0 +1,86 @@
+"""Prompt runs without AMX (kernels/csrc/decoder.c's avx2_attend_run, the path of AVX2 CPUs): a prompt's tokens
+attend as runs whose results do not depend on how the prompt is cut into chunks or on what else is in the batch,
+at least as accurately as the eager layers, in an fp32, bf16 or int8 cache. Runs on any CPU with the integer-dot
+kernels (AMX turned off where there is one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.attention import SequenceLayout, build_attention_metadata
+from kernels import fused_decoder, integer_dot
+from tests.kernels.test_amx_prefill import BLOCK, HIDDEN, cache, errors_against_fp64, model64, read, slots_of
+
+pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
+
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
+@pytest.fixture(autouse=True)
+def without_amx(monkeypatch):
+    """The AVX2 runs on any CPU: AMX off for the test (as it was after), calls of any number of rows."""
+    was = integer_dot.amx_active()
+    integer_dot.set_amx(False)
+    monkeypatch.setattr(fused_decoder, "max_rows", lambda: fused_decoder.MANY_ROWS)
+    yield
+    integer_dot.set_amx(was)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("cuts", [[37, 63], [16, 16, 68], [5, 300, 2], [250, 1, 90]])
+def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts, cache_dtype):
+    """Every prompt token's output and K/V, read in one call or in chunks over the chunks before it, are equal
+    bit for bit, also past the 256 keys a run scores at a time."""
+    model = model64(3)
+    n = sum(cuts)
+    x = torch.randn(n, HIDDEN)
+    kv = cache(64, cache_dtype)
+    whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, n)
+    parts, start = [], 0
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    for rows in cuts:
+        parts.append(read(decoder, kv, "cut", x[start : start + rows], start, rows))
+        start += rows
+    assert torch.equal(torch.cat(parts), whole)
+    a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
+    assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_a_decode_beside_a_prompt_is_unchanged_and_so_is_the_prompt(cache_dtype):
+    """A decode row computes the same alone and beside another sequence's prompt run, and the prompt's rows
+    (from the second row of the step) are those it gives alone."""
+    model = model64(4)
+    kv = cache(64, cache_dtype)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    read(decoder, kv, "a", torch.randn(45, HIDDEN), 0, 45)
+    kv.allocate("a", 46)
+    kv.allocate("c", 70)
+    row = torch.randn(1, HIDDEN)
+    step = SequenceLayout(kv.block_tables["a"], 45, 1)
+    alone = decoder(row.clone(), torch.tensor([45]), build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))
+    chunk = SequenceLayout(kv.block_tables["c"], 0, 70, num_prompt=70)
+    prompt_rows = torch.randn(70, HIDDEN)
+    both = decoder(torch.cat([row, prompt_rows]), torch.cat([torch.tensor([45]), torch.arange(70)]),
+                   build_attention_metadata([step, chunk], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
+    assert torch.equal(both[0], alone[0])
+    assert torch.equal(both[1:], read(decoder, kv, "d", prompt_rows, 0, 70))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_prompt_runs_are_as_accurate_as_the_eager_layers(kind):
+    """Against the layers in fp64 (activations as int8 blocks, K/V in bf16), the runs' fp32 attention stays within
+    5% of the eager layers' error (both compute attention in fp32 on such CPUs; the int8 blocks dominate), over
+    cached tokens and without, past a chunk of 256 keys."""
+    model = model64(5, kind)
+    for cached, new in ((0, 90), (37, 300)):
+        kv = cache(64)
+        kv.allocate("s", cached + new)
+        for layer in range(2):
+            kv.k[layer].normal_()
+            kv.v[layer].normal_()
+        seqs = [SequenceLayout(kv.block_tables["s"], cached, new, num_prompt=new)]
+        ids, positions = torch.randint(0, 96, (new,)), torch.arange(cached, cached + new)
+        fused_error, eager_error = errors_against_fp64(model, kv, seqs, ids, positions)
+        assert fused_error <= 1.05 * eager_error, (cached, new, fused_error, eager_error)
