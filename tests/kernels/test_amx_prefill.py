@@ -126,7 +126,12 @@ def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_o
     assert torch.equal(again[:40], prompt)
     assert torch.equal(again[40:], torch.cat(decoded))
 
-    # a decode of "a" alone, then beside another sequence's 70-token prompt chunk
+    assert_decode_beside_prompt_unchanged(decoder, kv)
+
+
+def assert_decode_beside_prompt_unchanged(decoder, kv: PagedKVCache) -> None:
+    """A decode of sequence "a" (45 tokens cached) computes the same alone and beside another sequence's 70-token
+    prompt chunk, and the prompt's rows (from the second row of the step, mid-tile) are those it gives alone."""
     kv.allocate("a", 46)
     kv.allocate("c", 70)
     row = torch.randn(1, HIDDEN)
@@ -137,7 +142,6 @@ def test_a_decode_row_beside_a_prompt_is_unchanged_and_generated_tokens_attend_o
     both = decoder(torch.cat([row, prompt_rows]), torch.cat([torch.tensor([45]), torch.arange(70)]),
                    build_attention_metadata([step, chunk], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
     assert torch.equal(both[0], alone[0])
-    # and the prompt's rows (here from the second row of the step, mid-tile) as they are alone
     assert torch.equal(both[1:], read(decoder, kv, "d", prompt_rows, 0, 70))
 
 

@@ -8,9 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.attention import SequenceLayout, build_attention_metadata
+from engines.attention import SequenceLayout
 from kernels import fused_decoder, integer_dot
-from tests.kernels.test_amx_prefill import BLOCK, HIDDEN, cache, errors_against_fp64, model64, read, slots_of
+from tests.kernels.test_amx_prefill import (
+    HIDDEN,
+    assert_decode_beside_prompt_unchanged,
+    cache,
+    errors_against_fp64,
+    model64,
+    read,
+    slots_of,
+)
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
 
@@ -55,17 +63,7 @@ def test_a_decode_beside_a_prompt_is_unchanged_and_so_is_the_prompt(cache_dtype)
     kv = cache(64, cache_dtype)
     decoder = fused_decoder.FusedDecoder(model, kv)
     read(decoder, kv, "a", torch.randn(45, HIDDEN), 0, 45)
-    kv.allocate("a", 46)
-    kv.allocate("c", 70)
-    row = torch.randn(1, HIDDEN)
-    step = SequenceLayout(kv.block_tables["a"], 45, 1)
-    alone = decoder(row.clone(), torch.tensor([45]), build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False))
-    chunk = SequenceLayout(kv.block_tables["c"], 0, 70, num_prompt=70)
-    prompt_rows = torch.randn(70, HIDDEN)
-    both = decoder(torch.cat([row, prompt_rows]), torch.cat([torch.tensor([45]), torch.arange(70)]),
-                   build_attention_metadata([step, chunk], BLOCK, "cpu", cpu_groups=False))  # fmt: skip
-    assert torch.equal(both[0], alone[0])
-    assert torch.equal(both[1:], read(decoder, kv, "d", prompt_rows, 0, 70))
+    assert_decode_beside_prompt_unchanged(decoder, kv)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
