@@ -5,9 +5,9 @@ w = (q - 8) * s + z. That is exactly GGUF's Q4_0 (z = 0) and Q4_1 (w = q * d + m
 z = m + 8 d), which load without re-quantizing (engines/gguf_weights.py).
 
 Three layouts compute the products, all taking and returning bf16:
-- "integer_dot" (the default where it builds, kernels/integer_dot.py): int8 activations times the codes as
-  integers, llama.cpp's way; int8 weights have a scale per group of 32 (GGUF's Q8_0); scales and
-  minimums are fp16, as GGUF stores them.
+- "integer_dot" (kernels/integer_dot.py; the row layout, kept for weights whose output size "vnni" does not
+  take): int8 activations times the codes as integers, llama.cpp's way; int8 weights have a scale per group
+  of 32 (GGUF's Q8_0); scales and minimums are fp16, as GGUF stores them.
 - "vnni" (the default): the same numbers, with the codes interleaved 16 output rows at a time for dot
   products of 4 inputs of 16 (AVX512-VNNI) or 8 (AVX2) rows per instruction, so a product of several
   activation rows costs little more than one (weights whose output size is not a multiple of 16 keep
