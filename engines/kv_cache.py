@@ -20,17 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.errors import CacheCapacityError
-from kernels.dispatch import use_triton
-
-
-def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
-    """Whether this CPU computes in `dtype` natively (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16)."""
-    cpu = torch.cpu
-    if dtype == torch.bfloat16:
-        return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    if dtype == torch.float16:
-        return getattr(cpu, "_is_amx_fp16_supported", lambda: False)()
-    return True
+from kernels.dispatch import cpu_has_half_precision_math, use_triton
 
 
 def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

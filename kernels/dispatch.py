@@ -63,3 +63,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (>= 1): Triton block sizes."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes in `dtype` natively (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16)."""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if dtype == torch.float16:
+        return getattr(cpu, "_is_amx_fp16_supported", lambda: False)()
+    return True

@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.kv_cache import cpu_has_half_precision_math
 from kernels import integer_dot
-from kernels.dispatch import kernel_mode
+from kernels.dispatch import cpu_has_half_precision_math, kernel_mode
 from kernels.quantized_linear import INTEGER_LAYOUTS
 
 if TYPE_CHECKING:
