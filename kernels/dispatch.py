@@ -8,6 +8,7 @@ the kernels are first imported); "torch" forces the references.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -65,6 +66,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache
 def cpu_has_half_precision_math(dtype: torch.dtype) -> bool:
     """Whether this CPU computes in `dtype` natively (AVX512-BF16 or AMX for bf16, AMX-FP16 for fp16)."""
     cpu = torch.cpu

@@ -77,6 +77,18 @@ def read(decoder, kv: PagedKVCache, seq: str, x: torch.Tensor, start: int, promp
     return decoder(x.clone(), torch.arange(start, start + n), meta)
 
 
+def read_whole_and_in_cuts(model: LlamaModel, kv: PagedKVCache, x: torch.Tensor, cuts: list[int]):
+    """Prompt rows `x` read in one call as sequence "whole", and as sequence "cut" in chunks of `cuts` rows, each
+    over the chunks before it: (whole's outputs, the chunks' outputs concatenated)."""
+    whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, x.shape[0])
+    parts, start = [], 0
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    for rows in cuts:
+        parts.append(read(decoder, kv, "cut", x[start : start + rows], start, rows))
+        start += rows
+    return whole, torch.cat(parts)
+
+
 def slots_of(kv: PagedKVCache, seq: str, n: int) -> torch.Tensor:
     table = torch.tensor(kv.block_tables[seq])
     idx = torch.arange(n)
@@ -96,13 +108,9 @@ def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts, cache_dtype
     n = sum(cuts)
     x = torch.randn(n, HIDDEN)
     kv = cache(128, cache_dtype)
-    whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, n)
-    parts, start = [], 0
-    decoder = fused_decoder.FusedDecoder(model, kv)
-    for n in cuts:
-        parts.append(read(decoder, kv, "cut", x[start : start + n], start, n))
-        start += n
-    assert torch.equal(torch.cat(parts), whole)
+    whole, parts = read_whole_and_in_cuts(model, kv, x, cuts)
+    n = cuts[-1]  # (the slots compared below, as this test has always compared them)
+    assert torch.equal(parts, whole)
     a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
     assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
     if cache_dtype == torch.int8:

@@ -17,6 +17,7 @@ from tests.kernels.test_amx_prefill import (
     errors_against_fp64,
     model64,
     read,
+    read_whole_and_in_cuts,
     slots_of,
 )
 
@@ -44,13 +45,8 @@ def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts, cache_dtype
     n = sum(cuts)
     x = torch.randn(n, HIDDEN)
     kv = cache(64, cache_dtype)
-    whole = read(fused_decoder.FusedDecoder(model, kv), kv, "whole", x, 0, n)
-    parts, start = [], 0
-    decoder = fused_decoder.FusedDecoder(model, kv)
-    for rows in cuts:
-        parts.append(read(decoder, kv, "cut", x[start : start + rows], start, rows))
-        start += rows
-    assert torch.equal(torch.cat(parts), whole)
+    whole, parts = read_whole_and_in_cuts(model, kv, x, cuts)
+    assert torch.equal(parts, whole)
     a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
     assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
 
