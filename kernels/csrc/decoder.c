@@ -325,63 +325,127 @@ static inline void prefetch_head(const void *cache, const int64_t *slots, int64_
             _mm_prefetch((const char *)cache + (slots[j] * row + kv_head * dim) * size + b, _MM_HINT_T0);
 }
 
+/* The 8 sums of 8 vectors' lanes (a[j]'s sum in lane j), added in a fixed order. */
+static inline __m256 sum8(const __m256 *a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define ATTEND_KEYS 8 /* keys `attend` takes at a time: one vector of scores per head */
+
+/* out[h][8 i .. 8 (i + W)) += sum over the block's first `count` keys j of p[h stride + j] block[j][i ..] for the
+ * HS heads h (HS, W constants at each call: the sums stay in registers). */
+static inline __attribute__((always_inline)) void add_values(const float *p, int64_t stride, const __m256 (*block)[16],
+                                                             int64_t count, int64_t i, int HS, int W, float *out, int64_t dim) {
+    __m256 acc[4][2];
+    for (int h = 0; h < HS; h++)
+        for (int w = 0; w < W; w++) acc[h][w] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j++)
+        for (int h = 0; h < HS; h++) {
+            const __m256 weight = _mm256_broadcast_ss(p + h * stride + j);
+            for (int w = 0; w < W; w++) acc[h][w] = _mm256_fmadd_ps(weight, block[j][i + w], acc[h][w]);
+        }
+    for (int h = 0; h < HS; h++)
+        for (int w = 0; w < W; w++) {
+            float *o = out + h * dim + 8 * w;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[h][w]));
+        }
+}
+
 /* The query heads q[0..heads) (head_dim apart) that share one KV head, of one token, over its keys
- * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. K and V rows are read once for
- * all the heads; each head's arithmetic is the same whatever the number of heads. scores: [heads, n].
- * With `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
+ * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. Keys go 8 at a time: their K rows as fp32
+ * in a block (read once for every head), each head's 8 scores one vector (8 dot products, their lanes summed
+ * together), then their V rows into the heads' sums 16 values at a time. Each head's arithmetic is the same
+ * whatever the number of heads, and depends on n and its keys alone. scores: [heads, n rounded up to 8]. With
+ * `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
 static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
                    const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
-    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim;
-    float best[16]; /* heads per KV head <= 16 */
-    for (int64_t h = 0; h < heads; h++) best[h] = -INFINITY;
+    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim, vecs = dim / 8, stride = (n + 7) / 8 * 8;
     const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
     const uint16_t *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
     const int64_t groups = dim / 32; /* an int8 cache's scales per head row */
+    __m256 block[ATTEND_KEYS][16];   /* the block's K rows, then V rows (head_dim <= 128) */
+    __m256 best[16];                 /* heads per KV head <= 16 */
+    for (int64_t h = 0; h < heads; h++) best[h] = _mm256_set1_ps(-INFINITY);
     prefetch_head(layer->k_cache, slots, 0, ahead, row, kv_head, dim, size);
-    for (int64_t j = 0; j < n; j++) {
-        __m256 key[16]; /* head_dim <= 128 */
-        const int64_t at = slots[j] * row + kv_head * dim;
-        if (j + ATTEND_AHEAD < n) prefetch_head(layer->k_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        const uint16_t *ks = k_scale ? k_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
-        for (int64_t i = 0; i < dim / 8; i++) key[i] = load8(layer->k_cache, at + 8 * i, m, ks ? bf16_to_float(ks[i / 4]) : 1.0f);
+    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
+        const int64_t count = n - j0 < ATTEND_KEYS ? n - j0 : ATTEND_KEYS;
+        for (int64_t j = 0; j < ATTEND_KEYS; j++) {
+            if (j >= count) { /* past the last key: zeros, scored -inf below */
+                for (int64_t i = 0; i < vecs; i++) block[j][i] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t slot = slots[j0 + j], at = slot * row + kv_head * dim;
+            if (j0 + j + ATTEND_AHEAD < n)
+                prefetch_head(layer->k_cache, slots, j0 + j + ATTEND_AHEAD, j0 + j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
+            const uint16_t *ks = k_scale ? k_scale + (slot * m->num_kv_heads + kv_head) * groups : NULL;
+            for (int64_t i = 0; i < vecs; i++) block[j][i] = load8(layer->k_cache, at + 8 * i, m, ks ? bf16_to_float(ks[i / 4]) : 1.0f);
+        }
+        const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)count), _CMP_LT_OQ);
         for (int64_t h = 0; h < heads; h++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < dim / 8; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + 8 * i), key[i], acc);
-            const float s = hsum(acc) * m->scale;
-            scores[h * n + j] = s;
-            best[h] = fmaxf(best[h], s);
+            __m256 acc[ATTEND_KEYS];
+            for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < vecs; i++) {
+                const __m256 qv = _mm256_loadu_ps(q + h * dim + 8 * i);
+                for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_fmadd_ps(qv, block[j][i], acc[j]);
+            }
+            const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(acc), _mm256_set1_ps(m->scale)), valid);
+            _mm256_storeu_ps(scores + h * stride + j0, s);
+            best[h] = _mm256_max_ps(best[h], s);
         }
     }
     float total[16];
     for (int64_t h = 0; h < heads; h++) {
-        float *sc = scores + h * n;
+        const __m128 b4 = _mm_max_ps(_mm256_castps256_ps128(best[h]), _mm256_extractf128_ps(best[h], 1));
+        const __m128 b2 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
+        const float most = _mm_cvtss_f32(_mm_max_ss(b2, _mm_movehdup_ps(b2)));
+        float *sc = scores + h * stride;
         __m256 sums = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j += 8) {
-            const int64_t left = n - j;
-            const __m256 s = left >= 8 ? _mm256_loadu_ps(sc + j) : load_partial(sc + j, left, -INFINITY);
-            const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(best[h]))),
+        for (int64_t j = 0; j < stride; j += 8) {
+            const __m256 s = _mm256_loadu_ps(sc + j);
+            const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(most))),
                                            _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-            if (left >= 8)
-                _mm256_storeu_ps(sc + j, p);
-            else
-                store_partial(sc + j, left, p);
+            _mm256_storeu_ps(sc + j, p);
             sums = _mm256_add_ps(sums, p);
         }
         total[h] = hsum(sums);
-        if (stats) stats[2 * h] = best[h], stats[2 * h + 1] = total[h];
+        if (stats) stats[2 * h] = most, stats[2 * h + 1] = total[h];
         for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
     }
     prefetch_head(layer->v_cache, slots, 0, ahead, row, kv_head, dim, size);
-    for (int64_t j = 0; j < n; j++) {
-        __m256 value[16];
-        const int64_t at = slots[j] * row + kv_head * dim;
-        if (j + ATTEND_AHEAD < n) prefetch_head(layer->v_cache, slots, j + ATTEND_AHEAD, j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-        const uint16_t *vs = v_scale ? v_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
-        for (int64_t i = 0; i < dim / 8; i++) value[i] = load8(layer->v_cache, at + 8 * i, m, vs ? bf16_to_float(vs[i / 4]) : 1.0f);
-        for (int64_t h = 0; h < heads; h++) {
-            const __m256 p = _mm256_set1_ps(scores[h * n + j]);
-            float *o = out + h * dim;
-            for (int64_t i = 0; i < dim / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(p, value[i], _mm256_loadu_ps(o + 8 * i)));
+    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
+        const int64_t count = n - j0 < ATTEND_KEYS ? n - j0 : ATTEND_KEYS;
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t slot = slots[j0 + j], at = slot * row + kv_head * dim;
+            if (j0 + j + ATTEND_AHEAD < n)
+                prefetch_head(layer->v_cache, slots, j0 + j + ATTEND_AHEAD, j0 + j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
+            const uint16_t *vs = v_scale ? v_scale + (slot * m->num_kv_heads + kv_head) * groups : NULL;
+            for (int64_t i = 0; i < vecs; i++) block[j][i] = load8(layer->v_cache, at + 8 * i, m, vs ? bf16_to_float(vs[i / 4]) : 1.0f);
+        }
+        for (int64_t h0 = 0; h0 < heads; h0 += 4) { /* up to 4 heads x 16 values of sums in registers */
+            const int64_t hs = heads - h0 < 4 ? heads - h0 : 4;
+            for (int64_t i = 0; i < vecs; i += 2) {
+                const float *p = scores + h0 * stride + j0;
+                float *o = out + h0 * dim + 8 * i;
+#define PV(HS, W) add_values(p, stride, block, count, i, HS, W, o, dim)
+                if (i + 1 < vecs) {
+                    switch (hs) {
+                    case 1: PV(1, 2); break;
+                    case 2: PV(2, 2); break;
+                    case 3: PV(3, 2); break;
+                    default: PV(4, 2); break;
+                    }
+                } else {
+                    switch (hs) {
+                    case 1: PV(1, 1); break;
+                    case 2: PV(2, 1); break;
+                    case 3: PV(3, 1); break;
+                    default: PV(4, 1); break;
+                    }
+                }
+#undef PV
+            }
         }
     }
     for (int64_t h = 0; h < heads; h++) {
@@ -944,7 +1008,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     Blocks a = {malloc(T * widest), malloc(sizeof(float) * T * widest / GROUP), malloc(sizeof(float) * T * widest / GROUP)};
     int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
     int64_t *key_counts = malloc(sizeof(int64_t) * T);
-    float *scores = malloc(sizeof(float) * threads * group * most_keys);
+    float *scores = malloc(sizeof(float) * threads * group * (most_keys + 8)); /* attend's [group, keys rounded up to 8] */
     /* the parts of one-by-one tokens' keys (key_parts): per part its token, index, and, where a token has
      * several, its results and softmax statistics until they are merged; per token its first part */
     int64_t num_parts = 0;
@@ -968,7 +1032,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *my_scores = scores + omp_get_thread_num() * group * most_keys;
+            float *my_scores = scores + omp_get_thread_num() * group * (most_keys + 8);
             double mark = omp_get_wtime();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)

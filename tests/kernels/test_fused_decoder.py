@@ -23,14 +23,17 @@ pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU
 BLOCK = 4
 
 
-def tiny_model(seed: int = 0, layout: str | None = None, qkv_bias: bool = False) -> LlamaModel:
-    """A random bf16 Llama (4 query / 2 KV heads of 16; 5 and 7 groups of 32 in, so the kernels run both
-    their four-group loop and its tail) with int4 attention and int8 MLP weights (and Qwen2's q/k/v biases
-    with `qkv_bias`)."""
+def tiny_model(
+    seed: int = 0, layout: str | None = None, qkv_bias: bool = False, heads: tuple[int, int, int] = (4, 2, 16)
+) -> LlamaModel:
+    """A random bf16 Llama (`heads`: 4 query / 2 KV heads of 16; 5 and 7 groups of 32 in, so the kernels run
+    both their four-group loop and its tail) with int4 attention and int8 MLP weights (and Qwen2's q/k/v
+    biases with `qkv_bias`)."""
     torch.manual_seed(seed)
+    num_heads, num_kv_heads, head_dim = heads
     cfg = ModelConfig(
-        vocab_size=96, hidden_size=160, intermediate_size=224, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        qkv_bias=qkv_bias,
+        vocab_size=96, hidden_size=160, intermediate_size=224, num_layers=2, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, qkv_bias=qkv_bias,
     )  # fmt: skip
     model = LlamaModel(cfg, torch.bfloat16)
     for name, p in model.named_parameters():
@@ -202,6 +205,38 @@ def test_fused_decoder_computes_the_layers_over_the_quantized_weights(cache_dtyp
         # every other slot is untouched
         for got, want in ((kv.k, ref_kv.k), (kv.v, ref_kv.v)):
             assert torch.equal(got[layer][rest], want[layer][rest])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("heads", [(8, 1, 24), (6, 2, 32)], ids=["8-per-kv-head-of-24", "3-per-kv-head-of-32"])
+def test_attention_over_other_head_shapes(heads, cache_dtype):
+    """A decode's attention takes its keys 8 at a time and its query heads 4 at a time: with a head of 24 (an
+    odd number of 8-value vectors), 8 or 3 query heads per KV head, and long contexts (the last block of keys
+    partial, keys in parts), the layers still compute the reference's numbers, and a decode row alone is the
+    same row in its batch, bit for bit."""
+    if cache_dtype == torch.int8 and heads[2] % 32:
+        pytest.skip("an int8 cache's heads are whole groups of 32")
+    model = tiny_model(layout=LAYOUTS[-1], heads=heads)
+    Hk, D = heads[1], heads[2]
+    kv = PagedKVCache(2, Hk, D, NUM_BLOCKS["long"], BLOCK, cache_dtype, "cpu")
+    seqs = ragged_batch(kv, "long")
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    positions = positions_of(seqs)
+    x = torch.randn(len(positions), 160)
+    ref_kv = PagedKVCache(2, Hk, D, NUM_BLOCKS["long"], BLOCK, cache_dtype, "cpu")
+    copy_cache(ref_kv, kv)
+    snapshot = PagedKVCache(2, Hk, D, NUM_BLOCKS["long"], BLOCK, cache_dtype, "cpu")
+    copy_cache(snapshot, kv)
+
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    out = decoder(x.clone(), positions, meta)
+    ref = reference_layers(model, x, positions, seqs, ref_kv, meta.slot_mapping)
+    tolerance = 2e-3 if cache_dtype == torch.float32 else 1e-2
+    assert (out.double() - ref).abs().max() < tolerance * ref.abs().max()
+
+    copy_cache(kv, snapshot)
+    alone = decoder(x[:1].clone(), positions[:1], build_attention_metadata(seqs[:1], BLOCK, "cpu", cpu_groups=False))
+    assert torch.equal(alone[0], out[0])
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
