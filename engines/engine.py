@@ -34,7 +34,7 @@ from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels import fused_decoder
-from kernels.dispatch import set_kernel_mode
+from kernels.dispatch import cpu_has_half_precision_math, set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,10 @@ class LLMEngine:
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
         cfg = self.model_config
-        dtype = kv_cache_dtype(parse_kv_cache_dtype(config.kv_cache_dtype), parse_dtype(config.dtype), self.device)
+        # whether the fused CPU decoder (kernels/fused_decoder.py) can take every step of this model
+        fused = self.device.type == "cpu" and not config.enforce_eager and fused_decoder.applies_to_model(self.model)
+        setting = parse_kv_cache_dtype(config.kv_cache_dtype)
+        dtype = kv_cache_dtype(setting, parse_dtype(config.dtype), self.device, fused)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             # per rank: the rank holding the most KV heads sets the block count every rank uses
@@ -139,6 +142,9 @@ class LLMEngine:
                     "kv_cache_dtype int8 runs on the fused CPU decoder only: a CPU device, integer-dot weights "
                     "(quantization gguf, int4 or int8), kernels auto and enforce_eager false"
                 )
+        # a cache the eager layers would read in emulated arithmetic here: every step goes through the fused decoder
+        emulated = self.device.type == "cpu" and dtype != torch.float32 and not cpu_has_half_precision_math(dtype)
+        if dtype == torch.int8 or (fused and emulated):
             step_tokens = min(step_tokens, fused_decoder.max_rows())
             chunk = min(chunk, step_tokens)
         # A token's projections cost 2 x params FLOPs; attending over one more key, 4 x heads x head_dim

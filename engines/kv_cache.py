@@ -23,13 +23,16 @@ from engines.errors import CacheCapacityError
 from kernels.dispatch import cpu_has_half_precision_math, use_triton
 
 
-def kv_cache_dtype(setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: `setting`, or for None ("auto") the model's, except fp32 on a CPU that would
-    emulate the model's half-precision arithmetic."""
+def kv_cache_dtype(
+    setting: torch.dtype | None, model_dtype: torch.dtype, device: torch.device, fused: bool = False
+) -> torch.dtype:
+    """The KV cache's dtype: `setting`, or for None ("auto") the model's, except on a CPU that would emulate the
+    model's half-precision arithmetic: there bf16 where the fused CPU decoder reads every step (`fused`: it widens
+    the values to fp32 as it loads them, and a decode's attention reads half the bytes of fp32), else fp32."""
     if setting is not None:
         return setting
     if device.type == "cpu" and not cpu_has_half_precision_math(model_dtype):
-        return torch.float32
+        return torch.bfloat16 if fused and model_dtype != torch.float32 else torch.float32
     return model_dtype
 
 

@@ -171,13 +171,16 @@ def shared_segment(tp: TensorParallel) -> SharedSegment | None:
 
 def applies(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
     """Whether `FusedDecoder` can run this model over this cache."""
+    return kv_cache.k.device.type == "cpu" and kv_cache.k.dtype in CACHE_DTYPES and applies_to_model(model)
+
+
+def applies_to_model(model: LlamaModel) -> bool:
+    """Whether `FusedDecoder` can run this model over a CPU cache of one of `CACHE_DTYPES`."""
     cfg = model.cfg
     linears = [lin for layer in model.layers for lin in (layer.attn.qkv_proj, layer.attn.o_proj)]
     linears += [lin for layer in model.layers for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     return (
         kernel_mode() == "auto"
-        and kv_cache.k.device.type == "cpu"
-        and kv_cache.k.dtype in CACHE_DTYPES
         and (model.tp.world_size == 1 or shared_segment(model.tp) is not None)
         and cfg.head_dim % 8 == 0
         and cfg.head_dim <= 128

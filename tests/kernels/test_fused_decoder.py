@@ -345,7 +345,7 @@ def test_speculation_is_lossless_in_the_served_configuration(layout, cache_setti
     this CPU runs; the model's cache and an int8 one): with Lyanna trees, greedy and seeded outputs equal
     plain decoding's, in one batch, because a verified row computes exactly what decoding it would."""
     engine = LLMEngine(EngineConfig(num_kv_blocks=256, kv_cache_dtype=cache_setting))
-    auto = kv_cache_dtype(None, torch.bfloat16, torch.device("cpu"))  # fp32 where bf16 arithmetic is emulated
+    auto = torch.bfloat16  # the fused decoder reads every step: bf16 even where bf16 arithmetic is emulated
     assert engine.kv_cache.k.dtype == (torch.int8 if cache_setting == "int8" else auto)
     model = engine.model
     for lin in model.modules():
@@ -364,6 +364,23 @@ def test_speculation_is_lossless_in_the_served_configuration(layout, cache_setti
         assert reqs[0].output_token_ids == reqs[1].output_token_ids
         assert reqs[2].output_token_ids == reqs[3].output_token_ids
     assert engine.stats().spec.num_accepted_tokens > 0 and engine.stats().kv_free_blocks == 256
+
+
+def test_the_auto_cache_is_bf16_where_the_fused_decoder_reads_every_step():
+    """`kv_cache_dtype: auto` keeps K/V in bf16 wherever the fused decoder takes every step (it widens them as it
+    loads them), also on CPUs without bf16 arithmetic, and caps a step at the rows it takes; where the eager layers
+    run on such a CPU, fp32."""
+    cpu = torch.device("cpu")
+    emulated = not dispatch.cpu_has_half_precision_math(torch.bfloat16)
+    assert kv_cache_dtype(None, torch.bfloat16, cpu, fused=True) == torch.bfloat16
+    assert kv_cache_dtype(None, torch.float32, cpu, fused=True) == torch.float32
+    assert kv_cache_dtype(None, torch.bfloat16, cpu) == (torch.float32 if emulated else torch.bfloat16)
+    assert kv_cache_dtype(torch.float32, torch.bfloat16, cpu, fused=True) == torch.float32
+    fused = LLMEngine(EngineConfig(num_kv_blocks=16, drafter="none"))
+    assert fused.kv_cache.k.dtype == torch.bfloat16
+    assert fused.scheduler.max_num_batched_tokens <= fused_decoder.max_rows()
+    eager = LLMEngine(EngineConfig(num_kv_blocks=16, drafter="none", enforce_eager=True))
+    assert eager.kv_cache.k.dtype == (torch.float32 if emulated else torch.bfloat16)
 
 
 def test_an_int8_cache_is_refused_where_the_fused_decoder_would_not_read_it():
