@@ -24,7 +24,7 @@ import torch
 from engines.attention import SequenceLayout, build_attention_metadata
 from engines.datasets import iter_sharegpt, sharegpt_messages
 from engines.engine_config import add_engine_args
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, kv_cache_dtype
 from engines.loader import load_model, parse_kv_cache_dtype
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--numerics", choices=["decode", "prompt"], default="decode",
                     help="score every token as decoding computes it, or as a prompt's token is read")  # fmt: skip
     ap.add_argument("--kv-cache-dtypes", default="auto",
-                    help="KV cache dtypes to score each setting over: auto (the model's), bf16, int8")  # fmt: skip
+                    help="KV caches to score each setting over: auto (the engine's), bfloat16, int8")  # fmt: skip
     args = ap.parse_args(argv)
     kv_dtypes = {name: parse_kv_cache_dtype(name) for name in args.kv_cache_dtypes.split(",")}  # checked up front
     set_kernel_mode(args.kernels)
@@ -124,10 +124,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for setting in args.settings.split(","):
         loaded = load_model(args.model, args.dtype, "cpu", quantization=setting)
-        if loaded.model.dtype != torch.float32 and not torch.cpu._is_avx512_bf16_supported():
-            loaded.model.compute_in(torch.float32)  # as the engine runs it on a CPU without bf16 arithmetic
+        # the cache `auto` gives in the engine, and the engine's arithmetic beside an fp32 one
+        auto = kv_cache_dtype(
+            None, loaded.model.dtype, torch.device("cpu"), fused_decoder.applies_to_model(loaded.model)
+        )
+        if auto == torch.float32 and loaded.model.dtype != torch.float32:
+            loaded.model.compute_in(torch.float32)
         decode_numerics(loaded.model)
         for kv_name, kv_dtype in kv_dtypes.items():
+            kv_dtype = auto if kv_dtype is None else kv_dtype
             got = [answer_logprobs(loaded.model, t, s, args.numerics == "prompt", kv_dtype) for t, s in convs]
             ll = torch.cat([lp for lp, _ in got])
             agree = torch.cat([a == b for (_, a), (_, b) in zip(got, ref, strict=True)]).float().mean()
