@@ -147,6 +147,7 @@ class LLMEngine:
         if dtype == torch.int8 or (fused and emulated):
             step_tokens = min(step_tokens, fused_decoder.max_rows())
             chunk = min(chunk, step_tokens)
+            self.model.drop_layer_copies()  # only the eager layers read them (405 MB for the embedded model)
         # A token's projections cost 2 x params FLOPs; attending over one more key, 4 x heads x head_dim
         # per layer: past this many context keys a prompt token's attention outweighs its projections.
         params = sum(p.numel() for p in self.model.parameters()) - self.model.embed_tokens.weight.numel()

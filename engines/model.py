@@ -258,6 +258,14 @@ class LlamaModel(nn.Module):
         if self.lm_head_quant is None and self.lm_head_exact is None:
             self.lm_head_packed = onednn_linear.prepack(self.lm_head_weight.data)
 
+    def drop_layer_copies(self) -> None:
+        """Release the layers' fp32 weight copies for many-row GEMMs (`PackableLinear.wide`): for a model whose
+        every step the fused CPU decoder takes, the eager layers that read them never run (the LM head keeps
+        its copy: many rows' logits use it)."""
+        for m in self.layers.modules():
+            if isinstance(m, PackableLinear):
+                m.wide = None
+
     def quantize(self, kind: str) -> None:
         """Weight-only quantization ("int4" or "int8") of every projection's local shard and of the LM head
         (a copy: the embedding it may be tied to stays as it is, for lookups and the drafters)."""

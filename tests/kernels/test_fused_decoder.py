@@ -12,6 +12,7 @@ from engines.config import ModelConfig
 from engines.engine import EngineConfig, LLMEngine
 from engines.kv_cache import PagedKVCache, dequantize_rows, kv_cache_dtype, quantize_rows
 from engines.model import LlamaModel
+from engines.parallel import PackableLinear
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
 from kernels import dispatch, fused_decoder, integer_dot
@@ -379,6 +380,8 @@ def test_the_auto_cache_is_bf16_where_the_fused_decoder_reads_every_step():
     fused = LLMEngine(EngineConfig(num_kv_blocks=16, drafter="none"))
     assert fused.kv_cache.k.dtype == torch.bfloat16
     assert fused.scheduler.max_num_batched_tokens <= fused_decoder.max_rows()
+    if emulated:  # the eager layers' fp32 weight copies go with them
+        assert all(lin.wide is None for lin in fused.model.layers.modules() if isinstance(lin, PackableLinear))
     eager = LLMEngine(EngineConfig(num_kv_blocks=16, drafter="none", enforce_eager=True))
     assert eager.kv_cache.k.dtype == (torch.float32 if emulated else torch.bfloat16)
 
