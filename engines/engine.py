@@ -165,7 +165,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, graphs)
         else:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
-            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32)
+            drop = dtype == torch.int8 or (fused and emulated)
+            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32, drop)
             self.workers.start(spec, config.max_num_seqs, config.kernels)
             self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}

@@ -52,6 +52,7 @@ class CacheSpec:
     block_size: int
     dtype: str
     compute_fp32: bool  # the residual stream and norms in fp32 (CPUs without bf16 arithmetic)
+    drop_layer_copies: bool = False  # the fused decoder takes every step: release the layers' fp32 weight copies
 
 
 def connect(
@@ -184,6 +185,8 @@ class TensorParallelWorker:
         set_kernel_mode(kernels)
         if spec.compute_fp32:
             self.model.compute_in(torch.float32)
+        if spec.drop_layer_copies:
+            self.model.drop_layer_copies()
         cfg = self.model.cfg
         kv = make_cache(cfg.num_layers, self.model.attn_kv_heads, cfg.head_dim, spec, self.device)
         self.runner = ModelRunner(self.model, kv, self.device, max_num_seqs)

@@ -16,13 +16,25 @@ import torch
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
 from engines.errors import CacheCapacityError
-from engines.kv_cache import PagedKVCache
+from engines.kv_cache import PagedKVCache, kv_cache_dtype
 from engines.loader import load_model
 from engines.model_runner import ModelRunner, StepInput
 from engines.request import Request
 from engines.sampling import processed_logprobs
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
+from kernels import fused_decoder
+from kernels.dispatch import cpu_has_half_precision_math
+
+
+def draft_cache_dtype(engine, model) -> torch.dtype:
+    """The draft model's KV cache dtype: the target cache's values' (bf16 for int8 codes), except on a CPU that
+    would emulate it in the draft model's eager layers (a bf16 cache that only the target's fused decoder reads),
+    where `auto` chooses for the draft model on its own."""
+    dtype = engine.kv_cache.value_dtype
+    if engine.device.type == "cpu" and not cpu_has_half_precision_math(dtype):
+        return kv_cache_dtype(None, model.dtype, engine.device, fused_decoder.applies_to_model(model))
+    return dtype
 
 
 class DraftModelDrafter(Drafter):
@@ -45,7 +57,7 @@ class DraftModelDrafter(Drafter):
             cfg.head_dim,
             engine.kv_cache.num_blocks,
             engine.kv_cache.block_size,
-            engine.kv_cache.value_dtype,
+            draft_cache_dtype(engine, loaded.model),
             loaded.device,
         )
         self.runner = ModelRunner(loaded.model, self.kv, loaded.device)

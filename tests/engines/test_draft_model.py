@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
+from kernels.dispatch import cpu_has_half_precision_math
 from tests.conftest import CHAT_PROMPTS
 from tests.engines.helpers import tiny_llama_checkpoint
 
@@ -72,3 +74,22 @@ def test_draft_model_needs_the_target_vocabulary(tmp_path):
     tiny_llama_checkpoint(tmp_path, 100, 2048, hidden=32, layers=1, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="vocabulary"):
         spec_engine(str(tmp_path), SpecParams())
+
+
+def test_a_draft_model_beside_the_served_target_has_a_cache_its_layers_compute_in(tiny_draft):
+    """Beside the served target (bf16, its cache read by the fused decoder), an eager draft model keeps its own
+    cache in a dtype its layers compute in natively (fp32 on CPUs without bf16 arithmetic), and greedy output
+    is still the target's."""
+    engine = LLMEngine(
+        EngineConfig(
+            num_kv_blocks=64, drafter="draft-model", draft_model=tiny_draft, spec_depth=2, spec_width=1, spec_budget=2
+        )
+    )
+    emulated = not cpu_has_half_precision_math(torch.bfloat16)
+    assert engine.kv_cache.k.dtype == torch.bfloat16
+    assert engine.executor.drafter.kv.k.dtype == (torch.float32 if emulated else torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(CHAT_PROMPTS[0], params, spec=spec) for spec in (None, SpecParams(enabled=False))]
+    while engine.has_unfinished():
+        engine.step()
+    assert reqs[0].output_token_ids == reqs[1].output_token_ids and engine.stats().spec.num_steps > 0
