@@ -55,8 +55,9 @@ class EngineConfig(BaseModel):
     )
     kv_cache_dtype: str = Field(
         "auto",
-        description="auto = the model's dtype (fp32 on CPUs without bf16 arithmetic), a dtype name, or int8 (codes "
-        "and a bf16 scale per 32 values: about half of bf16's bytes; fused CPU decoder only)",
+        description="auto = the model's dtype (on CPUs without bf16 arithmetic: bf16 where the fused CPU decoder "
+        "takes every step, else fp32), a dtype name, or int8 (codes and a bf16 scale per 32 values: about half of "
+        "bf16's bytes; fused CPU decoder only)",
     )
     drafter: DrafterName = Field("lyanna", description="none, ngram, draft-model, lyanna or eagle")
     draft_model: str | None = Field(
