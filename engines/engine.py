@@ -144,7 +144,8 @@ class LLMEngine:
                 )
         # a cache the eager layers would read in emulated arithmetic here: every step goes through the fused decoder
         emulated = self.device.type == "cpu" and dtype != torch.float32 and not cpu_has_half_precision_math(dtype)
-        if dtype == torch.int8 or (fused and emulated):
+        fused_only = dtype == torch.int8 or (fused and emulated)
+        if fused_only:
             step_tokens = min(step_tokens, fused_decoder.max_rows())
             chunk = min(chunk, step_tokens)
             self.model.drop_layer_copies()  # only the eager layers read them (405 MB for the embedded model)
@@ -165,8 +166,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, graphs)
         else:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
-            drop = dtype == torch.int8 or (fused and emulated)
-            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32, drop)
+            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32, fused_only)
             self.workers.start(spec, config.max_num_seqs, config.kernels)
             self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}
