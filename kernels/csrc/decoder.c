@@ -462,7 +462,7 @@ static void attend(const float *q, int64_t heads, const Decoder *m, const Layer 
  * computed the same way whatever rows share its tile: its chunks start at fixed keys, keys past its own end score
  * -inf (their probabilities are exact zeros, which add nothing), and its sums run in key order. */
 #define RUN_KEYS_AVX2 256
-#define RUN_TILE_ROWS 4 /* query rows of a register tile (6 measured no faster) */
+#define RUN_TILE_ROWS 4 /* query rows of a register tile (6 measured slower: 12 accumulators and the operands spill) */
 
 /* Keys [k0, k1) of a run (n of them, the rest zeros up to n_pad) of KV head kv_head, laid out as above. */
 static void avx2_pack_keys(const Decoder *m, const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n,
@@ -485,6 +485,50 @@ static void avx2_pack_keys(const Decoder *m, const Layer *layer, int64_t kv_head
     }
 }
 
+/* Scores of rows i0 .. i0 + R (R a constant in each inlined copy, so the tile stays in registers) against keys
+ * k0 + j .. k0 + j + 15. */
+static inline __attribute__((always_inline)) void avx2_score_tile(const float *q, int64_t q_stride, int64_t i0, int64_t R,
+                                                                 int64_t limit, const float *kd, int64_t dim, float scale,
+                                                                 int64_t k0, int64_t j, float *sc) {
+    __m256 acc[RUN_TILE_ROWS][2];
+    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d++) {
+        const __m256 a = _mm256_load_ps(kd + d * 16), b = _mm256_load_ps(kd + d * 16 + 8);
+        for (int64_t r = 0; r < R; r++) {
+            const __m256 x = _mm256_broadcast_ss(q + (i0 + r) * q_stride + d);
+            acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);
+        }
+    }
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < R; r++) { /* key k0 + j + l of row i0 + r is past its end from limit + i0 + r */
+        const __m256 end = _mm256_set1_ps((float)(limit + i0 + r - k0 - j));
+        for (int h = 0; h < 2; h++) {
+            const __m256 past = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * h)), end, _CMP_GE_OQ);
+            _mm256_storeu_ps(sc + (i0 + r) * RUN_KEYS_AVX2 + j + 8 * h,
+                             _mm256_blendv_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(scale)), minus_inf, past));
+        }
+    }
+}
+
+/* out rows i0 .. i0 + R, dims d0 .. d0 + 15 += P V over the chunk's width keys (R constant per inlined copy). */
+static inline __attribute__((always_inline)) void avx2_values_tile(const float *sc, int64_t i0, int64_t R, const float *vd,
+                                                                  int64_t width, int64_t dim, float *out, int64_t out_stride) {
+    __m256 acc[RUN_TILE_ROWS][2];
+    for (int64_t r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_loadu_ps(out + (i0 + r) * out_stride + 8 * h);
+    for (int64_t j = 0; j < width; j++) {
+        const __m256 a = _mm256_loadu_ps(vd + j * dim), b = _mm256_loadu_ps(vd + j * dim + 8);
+        for (int64_t r = 0; r < R; r++) {
+            const __m256 p = _mm256_broadcast_ss(sc + (i0 + r) * RUN_KEYS_AVX2 + j);
+            acc[r][0] = _mm256_fmadd_ps(p, a, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(p, b, acc[r][1]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (i0 + r) * out_stride + 8 * h, acc[r][h]);
+}
+
 /* Query rows q[0..rows) (q_stride apart) of one head; row i attends keys [0, limit + i) of kt / v (above). out[i] =
  * softmax(q[i] . K * scale) V, out_stride apart. sc: scratch of 16 * RUN_KEYS_AVX2 floats. */
 static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const float *kt, const float *v,
@@ -495,32 +539,14 @@ static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int6
         for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] = 0.0f;
     }
     const int64_t last = limit + rows - 1; /* keys of the last row */
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
     for (int64_t k0 = 0; k0 < last; k0 += RUN_KEYS_AVX2) {
         const int64_t k1 = k0 + RUN_KEYS_AVX2 < last ? k0 + RUN_KEYS_AVX2 : last, width = (k1 - k0 + 15) / 16 * 16;
-        for (int64_t i0 = 0; i0 < rows; i0 += RUN_TILE_ROWS) { /* scores, RUN_TILE_ROWS rows x 16 keys at a time */
-            const int64_t R = rows - i0 < RUN_TILE_ROWS ? rows - i0 : RUN_TILE_ROWS;
-            for (int64_t j = 0; j < width; j += 16) {
-                __m256 acc[RUN_TILE_ROWS][2];
-                for (int64_t r = 0; r < RUN_TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-                const float *kd = kt + (k0 + j) * dim; /* the block of keys k0 + j .. k0 + j + 15 */
-                for (int64_t d = 0; d < dim; d++) {
-                    const __m256 a = _mm256_load_ps(kd + d * 16), b = _mm256_load_ps(kd + d * 16 + 8);
-                    for (int64_t r = 0; r < R; r++) {
-                        const __m256 x = _mm256_set1_ps(q[(i0 + r) * q_stride + d]);
-                        acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);
-                        acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);
-                    }
-                }
-                for (int64_t r = 0; r < R; r++) { /* key k0 + j + l of row i0 + r is past its end from limit + i0 + r */
-                    const __m256 end = _mm256_set1_ps((float)(limit + i0 + r - k0 - j));
-                    for (int h = 0; h < 2; h++) {
-                        const __m256 past = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * h)), end, _CMP_GE_OQ);
-                        _mm256_storeu_ps(sc + (i0 + r) * RUN_KEYS_AVX2 + j + 8 * h,
-                                         _mm256_blendv_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(scale)), minus_inf, past));
-                    }
-                }
-            }
+        for (int64_t j = 0; j < width; j += 16) {
+            const float *kd = kt + (k0 + j) * dim; /* the block of keys k0 + j .. k0 + j + 15 */
+            int64_t i0 = 0;
+            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) avx2_score_tile(q, q_stride, i0, RUN_TILE_ROWS, limit, kd, dim, scale, k0, j, sc);
+            for (; i0 < rows; i0++) avx2_score_tile(q, q_stride, i0, 1, limit, kd, dim, scale, k0, j, sc);
         }
         for (int64_t i = 0; i < rows; i++) { /* each row's softmax over the chunk, its output rescaled */
             float *row = sc + i * RUN_KEYS_AVX2;
@@ -532,7 +558,7 @@ static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int6
             for (int64_t j = 0; j < width; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
             float lanes[8], now = most[i];
             _mm256_storeu_ps(lanes, high);
-            for (int l = 0; l < 8; l++) now = fmaxf(now, lanes[l]);
+            for (int l = 0; l < 8; l++) now = lanes[l] > now ? lanes[l] : now; /* not fmaxf: a libm call per lane here */
             __m256 sums = _mm256_setzero_ps();
             for (int64_t j = 0; j < width; j += 8) {
                 const __m256 s = _mm256_loadu_ps(row + j);
@@ -546,24 +572,11 @@ static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int6
             if (keep != 1.0f)
                 for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] *= keep;
         }
-        for (int64_t i0 = 0; i0 < rows; i0 += RUN_TILE_ROWS) { /* out += P V, RUN_TILE_ROWS rows x 16 dims at a time */
-            const int64_t R = rows - i0 < RUN_TILE_ROWS ? rows - i0 : RUN_TILE_ROWS;
-            for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-                __m256 acc[RUN_TILE_ROWS][2];
-                for (int64_t r = 0; r < R; r++)
-                    for (int h = 0; h < 2; h++) acc[r][h] = _mm256_loadu_ps(out + (i0 + r) * out_stride + d0 + 8 * h);
-                const float *vd = v + k0 * dim + d0;
-                for (int64_t j = 0; j < width; j++) {
-                    const __m256 a = _mm256_loadu_ps(vd + j * dim), b = _mm256_loadu_ps(vd + j * dim + 8);
-                    for (int64_t r = 0; r < R; r++) {
-                        const __m256 p = _mm256_set1_ps(sc[(i0 + r) * RUN_KEYS_AVX2 + j]);
-                        acc[r][0] = _mm256_fmadd_ps(p, a, acc[r][0]);
-                        acc[r][1] = _mm256_fmadd_ps(p, b, acc[r][1]);
-                    }
-                }
-                for (int64_t r = 0; r < R; r++)
-                    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (i0 + r) * out_stride + d0 + 8 * h, acc[r][h]);
-            }
+        for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+            const float *vd = v + k0 * dim + d0;
+            int64_t i0 = 0;
+            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) avx2_values_tile(sc, i0, RUN_TILE_ROWS, vd, width, dim, out + d0, out_stride);
+            for (; i0 < rows; i0++) avx2_values_tile(sc, i0, 1, vd, width, dim, out + d0, out_stride);
         }
     }
     for (int64_t i = 0; i < rows; i++) {
