@@ -32,6 +32,7 @@ token accepted at depth d still gives exactly what decoding it gives.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -247,6 +248,9 @@ def layer_weights(layer) -> LayerWeights:
     )
 
 
+_QUANT = operator.attrgetter("quant")
+
+
 class _Layers:
     """The C view of some decoder layers over a paged cache (`cache.k`, `cache.v`: [layers, slots, kv_heads,
     head_dim]; for int8 codes also `cache.k_scale`, `cache.v_scale`: [layers, slots, kv_heads, head_dim / 32]),
@@ -266,19 +270,22 @@ class _Layers:
         self.prompt_bf16 = prompt_bf16
         self.split_swiglu = SPLIT_SWIGLU
         self.shard = shard or Shard(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
+        self._layer_tensors = [
+            t for lw in layers for t in (lw.input_norm, lw.post_attn_norm, lw.qkv_bias) if t is not None
+        ]
+        self._projections = [p for lw in layers for p in (lw.qkv_proj, lw.o_proj, lw.gate_up_proj, lw.down_proj)]
         self._build()
 
     def _sources(self) -> list[int]:
         """Where the view's pointers come from: the storage of the rotary tables, the cache and the norms, and
-        the projections' quantized weights (held by the view, so their ids are not reused while it lives)."""
+        the projections' quantized weights (held by the view, so their ids are not reused while it lives).
+        Checked before every step, so built by C-level maps over lists made once."""
         r, c = self.rotary, self.cache
         ids = [r.cos.data_ptr(), r.sin.data_ptr(), c.k.data_ptr(), c.v.data_ptr()]
         ids += [t.data_ptr() for t in (getattr(c, "k_scale", None), getattr(c, "v_scale", None)) if t is not None]
         ids.append(0 if self.final_norm is None else self.final_norm.data_ptr())
-        for lw in self.layers:
-            ids += (lw.input_norm.data_ptr(), lw.post_attn_norm.data_ptr(), id(lw.qkv_proj.quant),
-                    id(lw.o_proj.quant), id(lw.gate_up_proj.quant), id(lw.down_proj.quant),
-                    0 if lw.qkv_bias is None else lw.qkv_bias.data_ptr())  # fmt: skip
+        ids += map(torch.Tensor.data_ptr, self._layer_tensors)
+        ids += map(id, map(_QUANT, self._projections))
         return ids
 
     def _build(self) -> None:
