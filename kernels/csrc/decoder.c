@@ -545,7 +545,8 @@ static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int6
         for (int64_t j = 0; j < width; j += 16) {
             const float *kd = kt + (k0 + j) * dim; /* the block of keys k0 + j .. k0 + j + 15 */
             int64_t i0 = 0;
-            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) avx2_score_tile(q, q_stride, i0, RUN_TILE_ROWS, limit, kd, dim, scale, k0, j, sc);
+            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) /* scores, RUN_TILE_ROWS rows x 16 keys at a time */
+                avx2_score_tile(q, q_stride, i0, RUN_TILE_ROWS, limit, kd, dim, scale, k0, j, sc);
             for (; i0 < rows; i0++) avx2_score_tile(q, q_stride, i0, 1, limit, kd, dim, scale, k0, j, sc);
         }
         for (int64_t i = 0; i < rows; i++) { /* each row's softmax over the chunk, its output rescaled */
@@ -575,7 +576,8 @@ static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int6
         for (int64_t d0 = 0; d0 < dim; d0 += 16) {
             const float *vd = v + k0 * dim + d0;
             int64_t i0 = 0;
-            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) avx2_values_tile(sc, i0, RUN_TILE_ROWS, vd, width, dim, out + d0, out_stride);
+            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) /* out += P V, RUN_TILE_ROWS rows x 16 dims at a time */
+                avx2_values_tile(sc, i0, RUN_TILE_ROWS, vd, width, dim, out + d0, out_stride);
             for (; i0 < rows; i0++) avx2_values_tile(sc, i0, 1, vd, width, dim, out + d0, out_stride);
         }
     }
