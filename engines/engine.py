@@ -154,7 +154,9 @@ class LLMEngine:
         params = sum(p.numel() for p in self.model.parameters()) - self.model.embed_tokens.weight.numel()
         params += self.model.lm_head_weight.numel() if self.model.lm_head is None else 0
         keys_per_token = 2 * params / (4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, step_tokens, chunk, keys_per_token)
+        # several decode steps a call where the model takes them (else lookahead blocks would be reserved for nothing)
+        multi_step = config.multi_step if self.model.takes_greedy_steps(self.kv_cache) else 1
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, step_tokens, chunk, keys_per_token, multi_step)
         if self.workers is None:
             graphs = None
             if self.device.type == "cuda" and not config.enforce_eager and config.kernels != "torch":
@@ -177,7 +179,13 @@ class LLMEngine:
         self.busy_seconds = 0.0
         policy = make_policy(config.spec_policy, config.adaptive)
         self.executor = SpecDecodeExecutor(
-            self.runner, self.kv_cache, make_drafter(config, self), policy, config.chain_verifier, config.logprobs_mode
+            self.runner,
+            self.kv_cache,
+            make_drafter(config, self),
+            policy,
+            config.chain_verifier,
+            config.logprobs_mode,
+            multi_step,
         )
         if self.executor.drafter is not None:  # a drafter keeping K/V in the blocks needs their next token hashed
             self.kv_cache.lookahead = self.executor.drafter.cache_lookahead

@@ -101,6 +101,14 @@ class EngineConfig(BaseModel):
         description="Target weights on CPU; auto = a GGUF's own 4-bit blocks (the embedded model), int8 for another "
         "checkpoint in bf16/fp16, none in fp32 or on CUDA",
     )
+    multi_step: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Decode steps per engine step for greedy requests without log-probabilities or a grammar, in "
+        "one call of the fused CPU decoder with the LM head and argmax (when no request reads a prompt or verifies "
+        "a draft); 1 = one",
+    )
     enforce_eager: bool = Field(
         False, description="The target's eager layers at every step (no fused CPU decoder, no CUDA graphs)"
     )

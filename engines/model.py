@@ -216,6 +216,8 @@ class LlamaModel(nn.Module):
         self.compute_dtype = dtype  # of the residual stream and the norms (see `compute_in`)
         # (the cache's K tensor, its fused decoder or None where none applies), decided on first use
         self._fused: tuple[torch.Tensor, fused_decoder.FusedDecoder | None] | None = None
+        # (the LM head's quantized copy, what greedy steps in one call read of it and the embeddings), on first use
+        self._greedy_head: tuple[QuantizedWeight, fused_decoder.GreedyHead] | None = None
         self.enforce_eager = False  # True: always the eager layers (no fused CPU decoder)
 
     def compute_in(self, dtype: torch.dtype) -> None:
@@ -339,6 +341,41 @@ class LlamaModel(nn.Module):
             fused = fused_decoder.FusedDecoder(self, kv_cache, final_norm=True) if applies else None
             self._fused = (kv_cache.k, fused)
         return self._fused[1]
+
+    def takes_greedy_steps(self, kv_cache: PagedKVCache) -> bool:
+        """Whether `greedy_steps` runs several decode steps in one call over `kv_cache` (for batches the fused
+        decoder takes): a bf16 model on one rank with its LM head in the interleaved integer-dot layout."""
+        head = self.lm_head_quant
+        if head is None or head.layout != "vnni" or self.dtype != torch.bfloat16 or self.tp.world_size > 1:
+            return False
+        return self.fused_decoder(kv_cache, 1) is not None
+
+    @torch.inference_mode()
+    def greedy_steps(
+        self,
+        input_ids: torch.Tensor,  # [B] each sequence's one new token
+        positions: torch.Tensor,  # [B]
+        meta: AttentionMetadata,  # a decode step's (one token per sequence), its blocks allocated for all steps
+        kv_cache: PagedKVCache,
+        steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # hidden [steps, B, hidden], tokens [steps, B] int64
+        """`steps` greedy decode steps in one call of the fused CPU decoder, the LM head and argmax in it too:
+        exactly what as many `forward`s with an argmax of their logits give, K/V written the same. None where
+        that call does not apply (no fused decoder for this model and cache, an LM head in another layout,
+        weights other than bf16, tensor parallelism): then run `forward` step by step."""
+        head, rows = self.lm_head_quant, input_ids.shape[0]
+        if not self.takes_greedy_steps(kv_cache) or meta.parents is None or head is None:
+            return None
+        if self.lm_head_wide is not None and rows >= head.wide_min_rows:
+            return None
+        fused = self.fused_decoder(kv_cache, rows)
+        if fused is None:
+            return None
+        if self._greedy_head is None or self._greedy_head[0] is not head:
+            self._greedy_head = (head, fused_decoder.GreedyHead(head, self.embed_tokens.weight.data))
+        x = self.embed_tokens(input_ids).float()
+        hidden, tokens = fused.greedy(x, positions, meta, self._greedy_head[1], steps)
+        return hidden.to(self.dtype), tokens
 
     @torch.inference_mode()
     def forward(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.attention import SequenceLayout, build_attention_metadata
+from engines.attention import AttentionMetadata, SequenceLayout, build_attention_metadata
 from engines.cuda_graphs import StepGraphs
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
@@ -77,6 +77,27 @@ class ModelRunner:
         if bucket is not None:
             out, hidden = self.graphs.run(plan, bucket)
             return StepResult(out, hidden, plan)
+        meta = self._metadata(plan, self.model.fused_decoder(self.kv, plan.num_tokens) is None)
+        host = torch.tensor([plan.token_ids, plan.positions], dtype=torch.long)
+        ids_positions = host.to(self.device, non_blocking=True)
+        rows = plan.logits_indices if logits else []
+        logits_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        out, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
+        return StepResult(out, hidden, plan)
+
+    def execute_greedy(self, plan: StepPlan, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`steps` greedy decode steps of a plan of one decode token per sequence in one call (the KV blocks of
+        every step allocated): each sequence's hidden states [steps, B, hidden] and argmax tokens [steps, B]
+        on the host, or None where the model cannot take them in one call (`LlamaModel.greedy_steps`)."""
+        if self.graphs is not None or plan.num_tokens != plan.num_seqs:
+            return None
+        meta = self._metadata(plan, cpu_groups=False)
+        ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        positions = torch.tensor(plan.positions, dtype=torch.long)
+        return self.model.greedy_steps(ids, positions, meta, self.kv, steps)
+
+    def _metadata(self, plan: StepPlan, cpu_groups: bool) -> AttentionMetadata:
+        """The plan's attention metadata over the persistent block-table buffer."""
         seqs = []
         for b in range(plan.num_seqs):
             lo, hi = plan.query_start[b], plan.query_start[b + 1]
@@ -84,14 +105,7 @@ class ModelRunner:
             seqs.append(SequenceLayout(plan.block_tables[b], plan.num_cached[b], hi - lo, parents, plan.num_prompt[b]))
         width = max(len(t) for t in plan.block_tables)
         tables = self._table_buffer(plan.num_seqs, width)
-        fused = self.model.fused_decoder(self.kv, plan.num_tokens)
-        meta = build_attention_metadata(seqs, self.kv.block_size, self.device, tables, cpu_groups=fused is None)
-        host = torch.tensor([plan.token_ids, plan.positions], dtype=torch.long)
-        ids_positions = host.to(self.device, non_blocking=True)
-        rows = plan.logits_indices if logits else []
-        logits_index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        out, hidden = self.model(ids_positions[0], ids_positions[1], meta, self.kv, logits_index)
-        return StepResult(out, hidden, plan)
+        return build_attention_metadata(seqs, self.kv.block_size, self.device, tables, cpu_groups=cpu_groups)
 
     def move_kv(self, src: list[int], dst: list[int]) -> None:
         """Copy cached K/V from slots `src` to slots `dst` (accepted draft paths), every layer."""

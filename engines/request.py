@@ -144,6 +144,12 @@ class Request:
         return self.spec if depth == self.spec.depth else dataclasses.replace(self.spec, depth=depth)
 
     @property
+    def multi_step_ok(self) -> bool:
+        """Whether its tokens may come several decode steps to one call (engines/spec_decode/executor.py):
+        greedy, without log-probabilities and without a grammar."""
+        return self.params.greedy and self.params.logprobs is None and self.grammar is None
+
+    @property
     def finished(self) -> bool:
         """Whether the request has ended for any reason."""
         return self.status is RequestStatus.FINISHED

@@ -11,6 +11,10 @@ from engines.kv_cache import PagedKVCache
 from engines.request import Request, RequestStatus
 
 MAX_FINISHED_PREFIXES = 1024  # finished requests whose `FinishedPrefix` waits for its reader
+# Decodes that run several steps a call at most (`multi_step`): on a 2-core CPU four steps a call decode 1.15x as
+# fast at batch 1 and 4, 1.07x at 8 and no faster at 16, where the host's share of a step is small and a
+# request arriving waits for the whole call.
+MULTI_STEP_MAX_SEQS = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_draft_tokens: int = 0  # draft tokens granted (the root, its new token, is not counted)
+    num_lookahead_tokens: int = 0  # a request that does not speculate: tokens of further decode steps granted
 
 
 @dataclass
@@ -50,7 +55,7 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         """Tokens this step may run: new tokens plus the draft tokens granted."""
-        return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_draft_tokens + s.num_lookahead_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -59,7 +64,10 @@ class Scheduler:
     Running requests go first, oldest first, so decodes are never starved by new prompts. A decoding
     request that speculates is granted as many draft tokens as its limit (`Request.draft_limit`), the
     token budget and the KV cache allow (blocks allocated before the drafter runs, so no draft is made
-    to be thrown away). A running
+    to be thrown away). With `multi_step` > 1, in a step of decodes only, a decoding request that does not
+    speculate but may take several decode steps in one call (`Request.multi_step_ok`) is granted the tokens
+    and blocks of up to `multi_step` - 1 further steps the same way (engines/spec_decode/executor.py takes
+    them). A running
     request that cannot get KV blocks preempts the newest running request (freeing its blocks; it
     recomputes later). Waiting requests are admitted in arrival order while the token budget,
     `max_num_seqs` and free blocks allow. Prompts are read in chunks: while any request is decoding, a
@@ -85,8 +93,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk_tokens: int | None = None,
         attention_keys_per_token: float | None = None,
+        multi_step: int = 1,
     ):
         self.kv = kv_cache
+        self.multi_step = multi_step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
@@ -182,6 +192,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             prefill_budget -= self._chunk_cost(req, n)
+        self._grant_lookaheads(out, budget)
         if self.kv.prefix_caching:
             for s in out.scheduled:  # a step writes only into blocks its request holds alone
                 self.kv.check_writable(s.request.request_id, s.request.num_computed_tokens)
@@ -214,6 +225,28 @@ class Scheduler:
         have = len(self.kv.block_tables.get(req.request_id, ()))
         room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens
         return max(0, min(limit.budget, budget - 1, room - 1))
+
+    def _grant_lookaheads(self, out: SchedulerOutput, budget: int) -> None:
+        """In a step of decodes only (no prompt read, nothing preempted, at most `MULTI_STEP_MAX_SEQS`), grant
+        each request that does not speculate but may take several decode steps a call the tokens and blocks
+        of up to `multi_step` - 1 more, within its `max_tokens`, the `budget` of tokens left and the free
+        KV blocks."""
+        if self.multi_step < 2 or not 0 < len(out.scheduled) <= MULTI_STEP_MAX_SEQS or out.preempted:
+            return
+        if any(s.request.num_tokens - s.request.num_computed_tokens != 1 for s in out.scheduled):
+            return  # a prompt is read in this step
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            if s.num_draft_tokens or req.spec is not None or not req.multi_step_ok:
+                continue
+            have = len(self.kv.block_tables.get(req.request_id, ()))
+            room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens - 1
+            left = req.max_tokens - len(req.output_token_ids) - 1
+            ahead = max(0, min(self.multi_step - 1, left, budget, room))
+            if ahead:
+                self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + ahead)
+                out.scheduled[i] = ScheduledRequest(req, 1, num_lookahead_tokens=ahead)
+                budget -= ahead
 
     def _preempt(self, req: Request) -> None:
         self._cache_blocks(req)  # what it computed stays findable: it may hit its own blocks when it resumes

@@ -9,6 +9,10 @@ fp32 activations. It computes the same function as
 `LlamaModel`'s layers over the quantized weights (up to fp32 rounding), and each row the same way
 whatever else is in its batch (`decoder.c`).
 
+`FusedDecoder.greedy` runs several greedy decode steps in one call, the LM head (`GreedyHead`: the interleaved
+layout), the argmax and the next step's embeddings in it too, bit for bit what as many steps with those calls
+on the host give (decoder.c's `decoder_greedy`).
+
 It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU, on one rank or
 on tensor-parallel ranks that sum through shared memory (engines/shm_all_reduce.py: the C forward does its
 two all-reduces a layer there itself), with an fp32, bf16 or int8 cache, head_dim a multiple of 8 up to 128 and
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from engines.model import LlamaModel
     from engines.parallel import PackableLinear, TensorParallel
     from engines.shm_all_reduce import SharedSegment
+    from kernels.quantized_linear import QuantizedWeight
 
 # Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
 MAX_ROWS = 64
@@ -124,6 +129,34 @@ class _Batch(ctypes.Structure):
     ]
 
 
+class _Head(ctypes.Structure):
+    _fields_ = [
+        ("codes", _p),
+        ("scales", _p),
+        ("mins", _p),
+        ("bits", _i64),
+        ("vocab", _i64),
+        ("embed", _p),
+        ("embed_rows", _i64),
+        ("embed_bf16", _i64),
+    ]
+
+
+class GreedyHead:
+    """The LM head (an interleaved integer-dot weight: `vnni_matmul`'s layout) and the token embeddings (bf16
+    or fp32) that greedy steps in one call read (`FusedDecoder.greedy`), holding the tensors it points into."""
+
+    def __init__(self, head: QuantizedWeight, embed: torch.Tensor):
+        if head.layout != "vnni" or head.mins is None:
+            raise ValueError(f"greedy steps take an LM head in the interleaved integer-dot layout, not {head.layout!r}")
+        if embed.dtype not in (torch.bfloat16, torch.float32) or embed.dim() != 2 or not embed.is_contiguous():
+            raise ValueError(f"embeddings must be a contiguous [vocab, hidden] bf16 or fp32 tensor, not {embed.dtype}")
+        self.head, self.embed = head, embed
+        pointers = (head.data.data_ptr(), head.scales.data_ptr(), head.mins.data_ptr())
+        rows, bf16 = embed.shape[0], int(embed.dtype == torch.bfloat16)
+        self.struct = _Head(*pointers, head.bits, head.out_features, embed.data_ptr(), rows, bf16)
+
+
 def _integer_dot_weight(linear: PackableLinear) -> bool:
     q = linear.quant
     return q is not None and q.layout in INTEGER_LAYOUTS  # (an fp32 `wide` copy serves only >= 48 rows)
@@ -141,6 +174,7 @@ class Shard:
 
 
 _RANK_DIED, _RANK_TIMEOUT = 9, 10  # decoder_forward's codes for a failed all-reduce (decoder.c)
+_BAD_TOKEN = 11  # decoder_greedy's code for a token the embeddings lack
 
 PHASES = ("norm", "qkv", "rope", "pack", "attend", "o", "mlp_in", "gate_up", "swiglu", "down")
 
@@ -384,6 +418,42 @@ class _Layers:
 
         Shapes are checked here and every index in C before anything is read or written (`check_batch` of
         decoder.c): ValueError or IndexError name the first bad one."""
+        x, batch, held = self._batch(x, positions, slots, query_start, seq_lens, tables, parents, runs)
+        lib, threads = integer_dot.library(), torch.get_num_threads()
+        code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
+        self._check(code, batch, *held)
+        return x
+
+    def greedy(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+               tables: torch.Tensor, head: GreedyHead, steps: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`steps` greedy decode steps of one new token per sequence (`x` [B, hidden], each sequence's last
+        token) in one call (decoder.c's `decoder_greedy`; needs the final norm): returns every step's normed
+        rows [steps, B, hidden] fp32 and its argmax tokens [steps, B] int64, bit for bit what `steps` calls of
+        `run`, the LM head's `vnni_matmul` and `row_argmax` give. Step s > 0 reads the tokens of step s - 1 at
+        the next positions, into the slots `tables` gives (blocks the scheduler allocated beforehand)."""
+        if self.final_norm is None or self._reducer is not None:
+            raise ValueError("greedy steps need the model's final norm and one rank")
+        if steps < 1:
+            raise ValueError(f"steps must be positive, not {steps}")
+        B = x.shape[0]
+        one = torch.arange(B + 1, dtype=torch.int32)
+        parents = torch.full((B,), -1, dtype=torch.int32)
+        x, batch, held = self._batch(x, positions, slots, one, seq_lens, tables, parents, None)
+        hidden = torch.empty(steps, B, self.cfg.hidden_size)
+        tokens = torch.empty(steps, B, dtype=torch.int64)
+        lib, threads = integer_dot.library(), torch.get_num_threads()
+        code = lib.decoder_greedy(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads,
+                                  ctypes.byref(head.struct), steps, hidden.data_ptr(), tokens.data_ptr())  # fmt: skip
+        if code == _BAD_TOKEN:
+            raise IndexError(f"sequence {batch.bad}'s token is not one of the {head.struct.embed_rows} embeddings")
+        self._check(code, batch, *held)
+        return hidden, tokens
+
+    def _batch(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
+               seq_lens: torch.Tensor, tables: torch.Tensor, parents: torch.Tensor,
+               runs: torch.Tensor | None) -> tuple[torch.Tensor, _Batch, tuple[torch.Tensor, ...]]:  # fmt: skip
+        """The checked, contiguous C batch of a step (rebuilding the view first where the model's tensors were
+        swapped): x as fp32, the `_Batch`, and the arrays its pointers point into."""
         if self._sources() != self._sources_at_build:
             self._build()
         T, B, most = x.shape[0], seq_lens.shape[0], max_rows()
@@ -408,8 +478,12 @@ class _Layers:
         batch = _Batch(T, B, tables.stride(0), tables.shape[1], 0, positions.data_ptr(), slots.data_ptr(),
                        query_start.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(), parents.data_ptr(),
                        None if runs is None else runs.data_ptr())  # fmt: skip
-        lib, threads = integer_dot.library(), torch.get_num_threads()
-        code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
+        return x, batch, (positions, slots, query_start, seq_lens, tables, parents)
+
+    def _check(self, code: int, batch: _Batch, positions: torch.Tensor, slots: torch.Tensor,
+               query_start: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
+               parents: torch.Tensor) -> None:  # fmt: skip
+        """Raise for a C call's failure `code`: no memory, a tensor-parallel rank lost, or a bad batch."""
         if code == -1:
             raise MemoryError("the fused decoder could not allocate its buffers")
         if code in (_RANK_DIED, _RANK_TIMEOUT):
@@ -421,7 +495,6 @@ class _Layers:
             raise RuntimeError(f"tensor-parallel all-reduce waited {segment.timeout_s:.0f} s for rank {batch.bad}")
         if code:
             raise self._bad_batch(code, batch.bad, positions, slots, query_start, seq_lens, tables, parents)
-        return x
 
     def _bad_batch(self, code: int, at: int, positions: torch.Tensor, slots: torch.Tensor,
                    query_start: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor,
@@ -486,6 +559,20 @@ class FusedDecoder:
         return self._layers.run(
             x, positions, meta.slot_mapping, meta.query_start, meta.seq_lens, tables, meta.parents, runs
         )
+
+    def greedy(
+        self,
+        x: torch.Tensor,  # [B, hidden] fp32: each sequence's one new token, embedded
+        positions: torch.Tensor,  # [B] int64
+        meta: AttentionMetadata,  # a decode step's: one token per sequence
+        head: GreedyHead,
+        steps: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [steps, B, hidden] fp32 normed rows, [steps, B] int64 tokens
+        """`steps` greedy decode steps in one call: each step's tokens are the argmax of its logits and the
+        next step's input (K/V written to the slots of the block tables); see `_Layers.greedy`."""
+        if not self.final_norm:
+            raise ValueError("greedy steps need the fused decoder built with the final norm")
+        return self._layers.greedy(x, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, head, steps)
 
 
 class FusedDraftLayer:

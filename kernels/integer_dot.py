@@ -99,6 +99,8 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = None
     lib.decoder_forward.argtypes = [p, p, p, i32]
     lib.decoder_forward.restype = i32
+    lib.decoder_greedy.argtypes = [p, p, p, i32, p, i64, p, p]
+    lib.decoder_greedy.restype = i32
     lib.decoder_profile.argtypes = [i32, p]
     lib.decoder_profile.restype = i32
     lib.vnni_gemm.argtypes = [p, p, p, i32, i64, i64, p, p, p, i64, p, i32]

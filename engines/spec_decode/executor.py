@@ -29,7 +29,7 @@ from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
 from engines.request import Request, TokenLogprob
 from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample, vocab_argmax
-from engines.scheduler import ScheduledRequest, SchedulerOutput
+from engines.scheduler import MULTI_STEP_MAX_SEQS, ScheduledRequest, SchedulerOutput
 from engines.spec_decode.policy import SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats
 from engines.spec_params import SpecParams
@@ -64,8 +64,10 @@ class SpecDecodeExecutor:
         policy: SpeculationPolicy,
         chain_verifier: str = "block",
         logprobs_mode: LogprobsMode = "raw_logprobs",
+        multi_step: int = 1,
     ):
         self.runner = runner
+        self.multi_step = multi_step
         self.logprobs_mode = logprobs_mode
         self.kv = kv_cache
         self.drafter = drafter
@@ -83,6 +85,11 @@ class SpecDecodeExecutor:
                 self.drafter.on_cached_prefix(req, num_cached)
         record = StepRecord(num_tokens=0, target_s=0.0)
         drafts = self._draft(scheduled, record)
+        steps = self._multi_steps(scheduled, drafts)
+        if steps > 1:
+            results = self._execute_multi_step(scheduled, steps)
+            if results is not None:
+                return results
         start = time.perf_counter()
         plan = StepPlan.from_scheduled(scheduled, drafts, self.kv)
         spans = [(plan.num_cached[b], plan.query_start[b + 1] - plan.query_start[b]) for b in range(plan.num_seqs)]
@@ -101,6 +108,44 @@ class SpecDecodeExecutor:
         if self.drafter is not None:
             self.drafter.on_finished(request)
         self.policy.on_finished(request.request_id)
+
+    # ---- several decode steps in one call ----------------------------------------------------------
+    def _multi_steps(self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None]) -> int:
+        """How many decode steps this step takes in one call: 1, unless every scheduled request (at most
+        `MULTI_STEP_MAX_SEQS`) decodes
+        (its last token, no draft) and may (`Request.multi_step_ok`), each granted the tokens of further steps
+        (a draft grant the policy left unused, or a lookahead grant); then up to `multi_step`, within every
+        grant and every request's `max_tokens`."""
+        if self.multi_step < 2 or not 0 < len(scheduled) <= MULTI_STEP_MAX_SEQS:
+            return 1
+        most = self.multi_step - 1
+        for s, tree in zip(scheduled, drafts, strict=True):
+            req = s.request
+            if tree is not None or s.num_new_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+                return 1
+            if not req.multi_step_ok:
+                return 1
+            left = req.max_tokens - len(req.output_token_ids) - 1
+            most = min(most, s.num_draft_tokens + s.num_lookahead_tokens, left)
+        return 1 + max(most, 0)
+
+    def _execute_multi_step(self, scheduled: list[ScheduledRequest], steps: int) -> list[RequestStepResult] | None:
+        """`steps` greedy decode steps of every scheduled request in one call of the target (its LM head and
+        argmax in the call: exactly the tokens and K/V of as many plain steps); each request's results are its
+        `steps` tokens, the K/V of its input token and the first `steps` - 1 of them committed. None where the
+        model takes no such call (`ModelRunner.execute_greedy`)."""
+        plan = StepPlan.from_scheduled(scheduled, [None] * len(scheduled), self.kv)
+        out = self.runner.execute_greedy(plan, steps)
+        if out is None:
+            return None
+        hidden, tokens = out  # [steps, B, hidden], [steps, B]
+        self.num_forwards += 1
+        B = len(scheduled)
+        if self.drafter is not None and self.drafter.wants_hidden:  # each request's rows in its positions' order
+            rows = hidden.transpose(0, 1).reshape(B * steps, hidden.shape[-1])
+            self.drafter.on_prefill([s.request for s in scheduled], rows, list(range(0, B * steps + 1, steps)))
+        per_request = tokens.t().tolist()  # the step's one host copy
+        return [RequestStepResult(s.request, steps, ids) for s, ids in zip(scheduled, per_request, strict=True)]
 
     # ---- drafting ----------------------------------------------------------------------------
     def _draft(self, scheduled: list[ScheduledRequest], record: StepRecord) -> list[DraftTree | None]:

@@ -716,7 +716,7 @@ static void swiglu(const float *gate_up, int64_t rows, int64_t inter, float *act
 
 /* What check_batch finds wrong, or what stopped the all-reduce (decoder_forward's return value). */
 enum { BAD_QUERY_START = 1, BAD_SEQ_LEN, BAD_TABLE_WIDTH, BAD_BLOCK, BAD_POSITION, BAD_SLOT, BAD_PARENT, BAD_RUN,
-       RANK_DIED, RANK_TIMEOUT };
+       RANK_DIED, RANK_TIMEOUT, BAD_TOKEN };
 
 static double seconds_now(void) {
     struct timespec ts;
@@ -1215,4 +1215,94 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(lay_pa);
     if (reduce_status) b->bad = late_rank;
     return failed ? -1 : reduce_status;
+}
+
+/* int4_gemm.c, vnni.c, argmax.c: the LM head's activations, its product and each row's argmax (decoder_greedy). */
+void quantize_activations(const uint16_t *x, int64_t rows, int64_t k, int8_t *xq, float *dx, float *sx);
+void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+               const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads);
+void row_argmax(const float *x, int64_t rows, int64_t n, int64_t *out, int threads);
+
+/* The LM head in vnni_gemm's interleaved layout and the token embeddings, for decoder_greedy. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales, *mins; /* fp16 */
+    int64_t bits, vocab;           /* the head's output rows */
+    const void *embed;             /* [embed_rows, hidden]: bf16 where embed_bf16, else fp32 */
+    int64_t embed_rows, embed_bf16;
+} Head;
+
+/* `steps` greedy decode steps of a batch of one new token per sequence (a decode token: parent -1, no run), in
+ * one call: each step runs the layers and the final norm (decoder_forward; Decoder.final_norm must be set),
+ * rounds its rows to bf16 and takes the LM head (quantize_activations, vnni_gemm) and each row's argmax
+ * (row_argmax); every step but the last then feeds its tokens back through the embeddings at the next
+ * positions, their K/V going to the slots the block tables give. hidden [steps, B, hidden] gets each step's
+ * normed rows and tokens [steps, B] its tokens: bit for bit what as many steps of decoder_forward, the LM
+ * head's vnni_matmul and row_argmax give, without the host's work between them. The batch's arrays are read,
+ * not changed. Returns decoder_forward's codes (b->bad as there; BAD_TABLE_WIDTH / BAD_BLOCK for a later
+ * step's position beyond its block table, BAD_TOKEN for a token the embeddings lack), or -1 for no memory. */
+int decoder_greedy(const Decoder *m, Batch *b, float *x, int threads, const Head *head, int64_t steps, float *hidden,
+                   int64_t *tokens) {
+    const int64_t B = b->num_tokens, H = m->hidden, V = head->vocab, bs = m->block_size;
+    if (B != b->num_seqs || m->final_norm == NULL || m->reduce) return BAD_QUERY_START;
+    int64_t *positions = malloc(sizeof(int64_t) * B), *slots = malloc(sizeof(int64_t) * B);
+    int32_t *seq_lens = malloc(sizeof(int32_t) * B);
+    uint16_t *xb = malloc(sizeof(uint16_t) * B * H);
+    int8_t *xq = malloc(B * H);
+    float *dx = malloc(sizeof(float) * B * H / GROUP), *sx = malloc(sizeof(float) * B * H / GROUP);
+    float *logits = malloc(sizeof(float) * B * V);
+    int code = -1;
+    if (!positions || !slots || !seq_lens || !xb || !xq || !dx || !sx || !logits) goto done;
+    memcpy(positions, b->positions, sizeof(int64_t) * B);
+    memcpy(slots, b->slots, sizeof(int64_t) * B);
+    memcpy(seq_lens, b->seq_lens, sizeof(int32_t) * B);
+    Batch step = *b;
+    step.positions = positions, step.slots = slots, step.seq_lens = seq_lens, step.runs = NULL;
+    for (int64_t s = 0; s < steps; s++) {
+        if (s > 0) {
+            for (int64_t t = 0; t < B; t++) {
+                const int64_t token = tokens[(s - 1) * B + t], at = ++positions[t], column = at / bs;
+                seq_lens[t]++;
+                if (column >= b->table_width) {
+                    b->bad = t, code = BAD_TABLE_WIDTH;
+                    goto done;
+                }
+                const int64_t block = b->block_tables[t * b->table_stride + column];
+                if (block < 0 || block >= m->num_slots / bs) {
+                    b->bad = t * b->table_width + column, code = BAD_BLOCK;
+                    goto done;
+                }
+                if (token < 0 || token >= head->embed_rows) {
+                    b->bad = t, code = BAD_TOKEN;
+                    goto done;
+                }
+                slots[t] = block * bs + at % bs;
+                float *row = x + t * H;
+                if (head->embed_bf16)
+                    for (int64_t i = 0; i < H; i++) row[i] = bf16_to_float(((const uint16_t *)head->embed)[token * H + i]);
+                else
+                    memcpy(row, (const float *)head->embed + token * H, sizeof(float) * H);
+            }
+        }
+        code = decoder_forward(m, &step, x, threads);
+        if (code) {
+            b->bad = step.bad;
+            goto done;
+        }
+        memcpy(hidden + s * B * H, x, sizeof(float) * B * H);
+        for (int64_t i = 0; i < B * H; i++) xb[i] = float_to_bf16(x[i]);
+        quantize_activations(xb, B, H, xq, dx, sx);
+        vnni_gemm(head->codes, head->scales, head->mins, (int)head->bits, V, H, xq, dx, sx, B, logits, threads);
+        row_argmax(logits, B, V, tokens + s * B, threads);
+    }
+done:
+    free(positions);
+    free(slots);
+    free(seq_lens);
+    free(xb);
+    free(xq);
+    free(dx);
+    free(sx);
+    free(logits);
+    return code;
 }

@@ -44,7 +44,9 @@ def check_spread(stats: dict, repeat: int) -> None:
 
 @pytest.mark.slow
 def test_repeat_reports_median_and_range_of_every_ratio_and_decode_only_rates(capsys, prompt_file):
-    out = bench(capsys, prompt_file, "--compare", "none,none#2", "--batch-size", "2", "--repeat", "2")
+    # one decode step per engine step (`--multi-step 1`): one target forward per token
+    flags = ["--compare", "none,none#2", "--batch-size", "2", "--repeat", "2", "--multi-step", "1"]
+    out = bench(capsys, prompt_file, *flags)
     assert out["repeat"] == 2 and out["prefix_caching"] is False and out["config"] == "none"
     assert out["cpu"]["model"] and out["cpu"]["logical_cpus"] >= 1 and out["torch_threads"] >= 1
     assert out["peers"] == {} and set(out["configs"]) == {"none", "none#2"}

@@ -263,6 +263,70 @@ def test_the_final_norm_in_the_call_is_the_models_final_norm(model_dtype):
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+def greedy_model() -> LlamaModel:
+    """`tiny_model` in the interleaved layout with an int8 LM head in that layout too (as the shipped model's on
+    every CPU), which greedy steps in one call read."""
+    model = tiny_model(layout="vnni")
+    model.lm_head_quant = relayout(quantize("int8", model.lm_head_weight.data), "vnni")
+    return model
+
+
+def decode_batch(kv: PagedKVCache, contexts: list[int], steps: int) -> list[SequenceLayout]:
+    """One decode token per sequence over `contexts` cached tokens each (random K/V, blocks scattered), with
+    the blocks of `steps` - 1 more tokens allocated."""
+    kv.allocate("pad", 8)
+    seqs = []
+    for i, cached in enumerate(contexts):
+        kv.allocate(f"s{i}", cached + steps)
+        kv.allocate(f"gap{i}", 5)
+        seqs.append(SequenceLayout(kv.block_tables[f"s{i}"], cached, 1, None))
+    fill_random(kv)
+    return seqs
+
+
+@pytest.mark.parametrize("contexts", [[23], [9, 40, 3]], ids=["one", "three"])
+def test_greedy_steps_in_one_call_are_as_many_decode_steps(contexts):
+    """`LlamaModel.greedy_steps` (the layers, final norm, LM head and argmax of several decode steps in one C
+    call) gives bit for bit the tokens and hidden rows of as many `forward`s with an argmax, and writes the
+    same K/V, across block boundaries (BLOCK slots a block)."""
+    steps = 6
+    model = greedy_model()
+    caches = [PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu") for _ in range(2)]
+    seqs = decode_batch(caches[0], contexts, steps)
+    decode_batch(caches[1], contexts, steps)
+    copy_cache(caches[1], caches[0])
+    first = torch.tensor([5, 77, 31][: len(contexts)])
+    positions = torch.tensor(contexts)
+    tokens, hidden, ids = [], [], first
+    for s in range(steps):  # the reference: one forward a step
+        step = [SequenceLayout(q.block_table, q.num_cached + s, 1, None) for q in seqs]
+        meta = build_attention_metadata(step, BLOCK, "cpu", cpu_groups=False)
+        logits, rows = model(ids, positions + s, meta, caches[0])
+        ids = logits.argmax(-1)
+        tokens.append(ids)
+        hidden.append(rows)
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    out = model.greedy_steps(first, positions, meta, caches[1], steps)
+    assert out is not None
+    got_hidden, got_tokens = out
+    assert torch.equal(got_tokens, torch.stack(tokens)) and len(set(got_tokens.flatten().tolist())) > 3
+    assert torch.equal(got_hidden, torch.stack(hidden))
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_greedy_steps_refuse_a_position_past_the_block_table_and_other_heads():
+    """A later step's position beyond the blocks allocated is an IndexError naming the block table; an LM head
+    in another layout, or weights other than bf16, take no such call (None: the caller steps one by one)."""
+    model = greedy_model()
+    kv = PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu")
+    seqs = decode_batch(kv, [6], 2)  # blocks for positions up to 7: a fourth step would write position 9
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    with pytest.raises(IndexError, match="block"):
+        model.greedy_steps(torch.tensor([3]), torch.tensor([6]), meta, kv, 4)
+    model.lm_head_quant = relayout(model.lm_head_quant, "integer_dot")
+    assert model.greedy_steps(torch.tensor([3]), torch.tensor([6]), meta, kv, 2) is None
+
+
 @pytest.mark.parametrize("contexts", list(CONTEXTS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_row_does_not_depend_on_its_batch(layout, contexts):
