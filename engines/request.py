@@ -145,9 +145,11 @@ class Request:
 
     @property
     def multi_step_ok(self) -> bool:
-        """Whether its tokens may come several decode steps to one call (engines/spec_decode/executor.py):
-        greedy, without log-probabilities and without a grammar."""
-        return self.params.greedy and self.params.logprobs is None and self.grammar is None
+        """Whether its next tokens may come several decode steps to one call (engines/spec_decode/executor.py):
+        greedy, without log-probabilities or a grammar, past its prompt (its one token left to compute is a
+        generated one: a prompt's last token is read as a prompt token, by other kernels)."""
+        params, past_prompt = self.params, self.num_computed_tokens >= self.num_prompt_tokens
+        return past_prompt and params.greedy and params.logprobs is None and self.grammar is None
 
     @property
     def finished(self) -> bool:

@@ -233,11 +233,12 @@ class Scheduler:
         KV blocks."""
         if self.multi_step < 2 or not 0 < len(out.scheduled) <= MULTI_STEP_MAX_SEQS or out.preempted:
             return
-        if any(s.request.num_tokens - s.request.num_computed_tokens != 1 for s in out.scheduled):
-            return  # a prompt is read in this step
+        for s in out.scheduled:  # a prompt is read, or a request takes one step a call: one step for all
+            if s.request.num_tokens - s.request.num_computed_tokens != 1 or not s.request.multi_step_ok:
+                return
         for i, s in enumerate(out.scheduled):
             req = s.request
-            if s.num_draft_tokens or req.spec is not None or not req.multi_step_ok:
+            if s.num_draft_tokens or req.spec is not None:
                 continue
             have = len(self.kv.block_tables.get(req.request_id, ()))
             room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens - 1

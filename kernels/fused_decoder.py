@@ -151,6 +151,8 @@ class GreedyHead:
             raise ValueError(f"greedy steps take an LM head in the interleaved integer-dot layout, not {head.layout!r}")
         if embed.dtype not in (torch.bfloat16, torch.float32) or embed.dim() != 2 or not embed.is_contiguous():
             raise ValueError(f"embeddings must be a contiguous [vocab, hidden] bf16 or fp32 tensor, not {embed.dtype}")
+        if embed.shape[1] != head.in_features:
+            raise ValueError(f"the embeddings' width {embed.shape[1]} is not the LM head's input {head.in_features}")
         self.head, self.embed = head, embed
         pointers = (head.data.data_ptr(), head.scales.data_ptr(), head.mins.data_ptr())
         rows, bf16 = embed.shape[0], int(embed.dtype == torch.bfloat16)
@@ -435,6 +437,8 @@ class _Layers:
             raise ValueError("greedy steps need the model's final norm and one rank")
         if steps < 1:
             raise ValueError(f"steps must be positive, not {steps}")
+        if head.head.in_features != self.cfg.hidden_size:
+            raise ValueError(f"the LM head reads {head.head.in_features} values, the rows are {self.cfg.hidden_size}")
         B = x.shape[0]
         one = torch.arange(B + 1, dtype=torch.int32)
         parents = torch.full((B,), -1, dtype=torch.int32)

@@ -85,7 +85,7 @@ class SpecDecodeExecutor:
                 self.drafter.on_cached_prefix(req, num_cached)
         record = StepRecord(num_tokens=0, target_s=0.0)
         drafts = self._draft(scheduled, record)
-        steps = self._multi_steps(scheduled, drafts)
+        steps = self._multi_steps(scheduled, drafts) if not record.num_drafted else 1
         if steps > 1:
             results = self._execute_multi_step(scheduled, steps)
             if results is not None:
@@ -111,8 +111,8 @@ class SpecDecodeExecutor:
 
     # ---- several decode steps in one call ----------------------------------------------------------
     def _multi_steps(self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None]) -> int:
-        """How many decode steps this step takes in one call: 1, unless every scheduled request (at most
-        `MULTI_STEP_MAX_SEQS`) decodes
+        """How many decode steps this step takes in one call (asked only when nothing was drafted, so the policy
+        waits for no measurement of it): 1, unless every scheduled request (at most `MULTI_STEP_MAX_SEQS`) decodes
         (its last token, no draft) and may (`Request.multi_step_ok`), each granted the tokens of further steps
         (a draft grant the policy left unused, or a lookahead grant); then up to `multi_step`, within every
         grant and every request's `max_tokens`."""

@@ -89,6 +89,28 @@ def test_blocks_written_several_steps_a_call_serve_the_prefix_cache(engines):
     assert four.stats().prefix_cache_hits - hits >= 3 * four.kv_cache.block_size
 
 
+def test_a_prompt_s_last_token_is_read_as_a_prompt_token_not_in_a_multi_step_call(engines):
+    """A prompt one token longer than its cached blocks (a prefix-cache hit) leaves its last token alone in a
+    step: it is read as a prompt token (its own kernels), so that step gives one token, and the answer is what
+    an engine stepping one by one gives in the same case."""
+    one, four = engines
+    block = four.kv_cache.block_size
+    prompt = [(7 * i + 3) % 500 + 100 for i in range(3 * block + 1)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    answers_of = []
+    for engine in (one, four):
+        engine.add_request(prompt_token_ids=prompt, params=params)
+        while engine.has_unfinished():
+            engine.step()
+        again = engine.add_request(prompt_token_ids=prompt, params=params)
+        engine.step()
+        assert again.num_computed_tokens == 3 * block + 1 and len(again.output_token_ids) == 1
+        while engine.has_unfinished():
+            engine.step()
+        answers_of.append(again.output_token_ids)
+    assert answers_of[0] == answers_of[1]
+
+
 def test_a_speculating_request_takes_several_steps_where_the_policy_drafts_nothing():
     """Under the served default (Lyanna, adaptive policy), greedy requests answer as plain decoding one step a
     call does, with and without speculation, in one batch."""

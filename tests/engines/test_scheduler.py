@@ -287,27 +287,35 @@ def test_a_draft_is_limited_by_the_tokens_left_to_generate():
 
 
 def test_lookahead_steps_are_granted_to_greedy_decodes_that_do_not_speculate():
-    """With `multi_step`, a decoding request without speculation that may take several steps a call is granted
-    the tokens and blocks of up to `multi_step` - 1 more, within its `max_tokens`, the budget and free blocks;
-    a sampled one is not."""
-    kv = PagedKVCache(1, 1, 2, num_blocks=9, block_size=4, dtype=torch.float32, device="cpu")
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12, multi_step=4)
+    """With `multi_step`, in a step of such decodes, a decoding request without speculation is granted the
+    tokens and blocks of up to `multi_step` - 1 more, within its `max_tokens`, the budget and the free blocks;
+    with a sampled request in the step (it takes one step a call, so the step does), none is."""
 
-    def decoding(rid: str, computed: int, params: SamplingParams, max_tokens: int, generated: int = 0) -> Request:
-        prompt = list(range(computed + 1 - generated))
-        req = Request(rid, prompt, params, max_tokens, frozenset(), torch.Generator(), None)
-        req.num_computed_tokens = computed
-        req.output_token_ids = list(range(generated))
-        kv.allocate(rid, computed)
-        sched.running.append(req)
-        return req
+    def setup(sampled: bool) -> tuple[PagedKVCache, Scheduler]:
+        kv = PagedKVCache(1, 1, 2, num_blocks=9, block_size=4, dtype=torch.float32, device="cpu")
+        sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12, multi_step=4)
 
-    decoding("a", 3, GREEDY, 24)  # 1 block held: up to 3 more steps, its blocks for 3 + 4 tokens
-    decoding("b", 9, GREEDY, 8, generated=6)  # 3 held; 2 tokens left to generate: 1 more step
-    decoding("c", 2, SamplingParams(temperature=0.8, seed=1, max_tokens=24), 24)  # sampled: its one token
-    decoding("d", 8, GREEDY, 24)  # 2 held; 1 block left free after a's: 3 more steps fill it
+        def decoding(rid: str, computed: int, params: SamplingParams, max_tokens: int, generated: int = 0) -> None:
+            prompt = list(range(computed + 1 - generated))
+            req = Request(rid, prompt, params, max_tokens, frozenset(), torch.Generator(), None)
+            req.num_computed_tokens = computed
+            req.output_token_ids = list(range(generated))
+            kv.allocate(rid, computed)
+            sched.running.append(req)
+
+        decoding("a", 3, GREEDY, 24, generated=1)  # 1 block held: up to 3 more steps, its blocks for 3 + 4 tokens
+        decoding("b", 9, GREEDY, 8, generated=6)  # 3 held; 2 tokens left to generate: 1 more step
+        decoding("d", 8, GREEDY, 24, generated=1)  # 2 held; a block more for 3 more steps
+        if sampled:
+            decoding("c", 2, SamplingParams(temperature=0.8, seed=1, max_tokens=24), 24, generated=1)
+        return kv, sched
+
+    kv, sched = setup(sampled=False)
     out = sched.schedule()
     grants = {s.request.request_id: (s.num_new_tokens, s.num_lookahead_tokens) for s in out.scheduled}
-    assert grants == {"a": (1, 3), "b": (1, 1), "c": (1, 0), "d": (1, 3)}
-    assert all(s.num_draft_tokens == 0 for s in out.scheduled) and out.num_tokens == 4 + 2 + 1 + 4
-    assert kv.allocator.num_free == 0
+    assert grants == {"a": (1, 3), "b": (1, 1), "d": (1, 3)}
+    assert all(s.num_draft_tokens == 0 for s in out.scheduled) and out.num_tokens == 4 + 2 + 4
+    assert kv.allocator.num_free == 9 - 2 - 3 - 3
+    kv, sched = setup(sampled=True)
+    out = sched.schedule()
+    assert [s.num_lookahead_tokens for s in out.scheduled] == [0, 0, 0, 0] and out.num_tokens == 4
