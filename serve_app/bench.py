@@ -2,9 +2,12 @@
 
     python -m serve_app.bench --prompts FILE.jsonl --num-prompts 16 --concurrency 1,8 --max-new-tokens 64
 
-Starts the application on loopback in a Ray cluster set up as `make run`'s (HAProxy ingress; one LLM
-replica with as many CPU threads as the offline engine), both sides on the engine settings of `--config`
-(serve_config.yaml: what `make run` serves), then, per concurrency level, alternates waves of
+Starts the application on loopback in a Ray cluster set up as `make run`'s (HAProxy ingress), both sides on
+the engine settings of `--config` (serve_config.yaml: what `make run` serves). `--layout config` (the
+default) deploys the application as that file does, its autoscaled deployments held at their initial replica
+counts (on 2 cores: two LLM replicas of one thread each); `--layout one` deploys one LLM replica with as many threads as
+the offline engine. The offline side is one engine in this process with `--threads` threads (all the
+machine's cores: the engine at its best). Then, per concurrency level, it alternates waves of
 `--concurrency` concurrent streaming requests through the openai client (HTTP) and through an
 `AsyncEngine` in this process (offline), so machine noise hits both alike. Reports tokens/s over all
 timed waves and the median over waves of the paired ratio (each wave run both ways back to back), the
@@ -29,7 +32,7 @@ from engines.datasets import read_prompt_file
 from engines.engine import LLMEngine
 from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
-from serve_app.app import SERVE_RUNTIME_ENV, use_serve_cluster_env
+from serve_app.app import SERVE_RUNTIME_ENV, build_app_with_options, use_serve_cluster_env
 from serve_app.ingress import Ingress
 from serve_app.replica import EngineSettings, LLMReplica
 
@@ -76,6 +79,16 @@ async def _wave(coros) -> tuple[int, float, list[float]]:
     return sum(n for n, _ in results), time.perf_counter() - t0, [t for _, t in results]
 
 
+def _held_at_initial_replicas(deployment: dict) -> dict:
+    """A config's deployment options with autoscaling replaced by its initial replica count, so that one concurrency
+    level's load does not resize the deployment in the middle of the next."""
+    options = {k: v for k, v in deployment.items() if k not in ("name", "autoscaling_config")}
+    scaling = deployment.get("autoscaling_config")
+    if scaling:
+        options["num_replicas"] = scaling.get("initial_replicas", scaling.get("min_replicas", 1))
+    return options
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the comparison and print the JSON summary."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,26 +99,40 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--config", default="serve_config.yaml", help="serve config whose engine settings both sides run")
     ap.add_argument("--drafter", default=None, help="override the config's drafter (e.g. none)")
+    ap.add_argument(
+        "--layout",
+        choices=["config", "one"],
+        default="config",
+        help="HTTP side: the config's deployments as they are, or one LLM replica of --threads threads",
+    )
     args = ap.parse_args(argv)
     import openai
     import ray
     from ray import serve
 
     torch.set_num_threads(args.threads)
-    engine_args = yaml.safe_load(Path(args.config).read_text())["applications"][0]["args"].get("engine", {})
-    settings = EngineSettings.model_validate(engine_args | ({"drafter": args.drafter} if args.drafter else {}))
+    application = yaml.safe_load(Path(args.config).read_text())["applications"][0]
+    app_args = application["args"]
+    app_args["engine"] = app_args.get("engine", {}) | ({"drafter": args.drafter} if args.drafter else {})
+    settings = EngineSettings.model_validate(app_args["engine"])
     records = read_prompt_file(args.prompts)[: args.num_prompts]
     port = _free_port()
     # as `make run` runs the cluster and serve_config.yaml the replicas
     use_serve_cluster_env()
     ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
-    serve.run(Ingress.bind(replica, settings.served_model_name, settings.drafter), name="bench", route_prefix="/")
+    if args.layout == "config":
+        deployments = {d["name"]: _held_at_initial_replicas(d) for d in application["deployments"]}
+        app = build_app_with_options(app_args, deployments)
+    else:
+        replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
+        app = Ingress.bind(replica, settings.served_model_name, settings.drafter)
+    serve.run(app, name="bench", route_prefix="/")
     config = settings.engine_config()
     offline = AsyncEngine(lambda: LLMEngine(config))  # built in its loop thread, as the replica's (one OpenMP team)
     engine = settings.model_dump(include={"drafter", "spec_policy", "spec_depth", "spec_width", "spec_budget"})
-    result: dict = {"threads": args.threads, "config": args.config, "engine": engine, "levels": {}}
+    result: dict = {"threads": args.threads, "config": args.config, "layout": args.layout, "engine": engine}
+    result["levels"] = {}
 
     async def run_level(c: int) -> dict:
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as client:
