@@ -153,12 +153,13 @@ class LyannaDrafter(Drafter):
 
     def on_prefill(self, requests: list[Request], hidden: torch.Tensor, row_starts: list[int]) -> None:
         lengths = [row_starts[i + 1] - row_starts[i] for i in range(len(requests))]
+        hidden = hidden.to(self.model.embed.dtype)  # the store's dtype too
         if self.hidden_store is not None and self.kv_cache is not None:
             self._flush_store()
             ids, starts = [r.request_id for r in requests], [r.num_computed_tokens for r in requests]
             slots = self.kv_cache.batch_slots(ids, starts, lengths).to(self.hidden_store.device)
-            self.hidden_store.index_copy_(0, slots, hidden.to(self.hidden_store.dtype))
-        rows = hidden.to(self.model.embed.dtype).unbind(0)  # one split for the whole step
+            self.hidden_store.index_copy_(0, slots, hidden)
+        rows = hidden.unbind(0)  # one split for the whole step
         for i, request in enumerate(requests):
             if request.spec is not None:
                 self._record(request, request.num_computed_tokens, rows[row_starts[i] : row_starts[i + 1]])
