@@ -4,14 +4,15 @@
 
 Starts the application on loopback in a Ray cluster set up as `make run`'s (HAProxy ingress), both sides on
 the engine settings of `--config` (serve_config.yaml: what `make run` serves). `--layout config` (the
-default) deploys the application as that file does, its autoscaled deployments held at their initial replica
-counts (on 2 cores: two LLM replicas of one thread each); `--layout one` deploys one LLM replica with as many threads as
-the offline engine. The offline side is one engine in this process with `--threads` threads (all the
-machine's cores: the engine at its best). Then, per concurrency level, it alternates waves of
-`--concurrency` concurrent streaming requests through the openai client (HTTP) and through an
-`AsyncEngine` in this process (offline), so machine noise hits both alike. Reports tokens/s over all
-timed waves and the median over waves of the paired ratio (each wave run both ways back to back), the
-noise-robust figure. Greedy decoding: both paths produce the same tokens. The last line of stdout is one JSON object.
+default) deploys the application as that file does, autoscaling held at each deployment's initial replica
+count (serve_config.yaml: two LLM replicas of one CPU thread each, sized for a 2-core machine); `--layout
+one` deploys one LLM replica with as many threads as the offline engine. The offline side is one engine in
+this process with `--threads` threads (default: all the machine's cores, the engine at its best).
+Then, per concurrency level, it alternates waves of `--concurrency` concurrent streaming requests through
+the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine noise hits both
+alike. Reports tokens/s over all timed waves and the median over waves of the paired ratio (each wave run
+both ways back to back), the noise-robust figure. Greedy decoding: both paths produce the same tokens. The
+last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -80,13 +81,29 @@ async def _wave(coros) -> tuple[int, float, list[float]]:
 
 
 def _held_at_initial_replicas(deployment: dict) -> dict:
-    """A config's deployment options with autoscaling replaced by its initial replica count, so that one concurrency
-    level's load does not resize the deployment in the middle of the next."""
-    options = {k: v for k, v in deployment.items() if k not in ("name", "autoscaling_config")}
+    """A config's deployment options with autoscaling held at its initial replica count (its policy still runs and
+    its metrics are still collected), so that one concurrency level's load does not resize the deployment in the
+    middle of the next."""
+    options = {k: v for k, v in deployment.items() if k != "name"}
     scaling = deployment.get("autoscaling_config")
     if scaling:
-        options["num_replicas"] = scaling.get("initial_replicas", scaling.get("min_replicas", 1))
+        count = scaling.get("initial_replicas", scaling.get("min_replicas", 1))
+        options["autoscaling_config"] = scaling | {
+            "min_replicas": count,
+            "initial_replicas": count,
+            "max_replicas": count,
+        }
     return options
+
+
+def _layout_cpus(deployments: dict[str, dict]) -> float:
+    """CPUs the deployments' replicas reserve."""
+    total = 0.0
+    for options in deployments.values():
+        scaling = options.get("autoscaling_config") or {}
+        count = scaling.get("initial_replicas", options.get("num_replicas", 1))
+        total += count * options.get("ray_actor_options", {}).get("num_cpus", 1)
+    return total
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -119,15 +136,17 @@ def main(argv: list[str] | None = None) -> dict:
     port = _free_port()
     # as `make run` runs the cluster and serve_config.yaml the replicas
     use_serve_cluster_env()
-    ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cpus: float = args.threads
     if args.layout == "config":
         deployments = {d["name"]: _held_at_initial_replicas(d) for d in application["deployments"]}
         app = build_app_with_options(app_args, deployments)
+        cpus = max(cpus, _layout_cpus(deployments))  # room for every replica, also when --threads is lower
     else:
         replica = LLMReplica.options(ray_actor_options={"num_cpus": args.threads}).bind(settings.model_dump())
         app = Ingress.bind(replica, settings.served_model_name, settings.drafter)
-    serve.run(app, name="bench", route_prefix="/")
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, runtime_env=SERVE_RUNTIME_ENV)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app, name="bench", route_prefix="/", logging_config=application.get("logging_config"))
     config = settings.engine_config()
     offline = AsyncEngine(lambda: LLMEngine(config))  # built in its loop thread, as the replica's (one OpenMP team)
     engine = settings.model_dump(include={"drafter", "spec_policy", "spec_depth", "spec_width", "spec_budget"})
