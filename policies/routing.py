@@ -8,6 +8,10 @@ A replica's load is
 
     ongoing / max_ongoing_requests + kv_weight * KV-cache use
 
+where ongoing also counts the requests this router has chosen the replica for that Serve has not sent yet:
+Serve chooses replicas for every request of a burst before it sends any, so without them a burst of
+requests arriving together would all rank the same replica first.
+
 Requests of a tight SLO class go to the least-loaded replica. Other requests go to the replica holding
 the longest prefix of their conversation in its KV cache (its prefill then starts past it, and its
 drafter reads the prefix from the same cache), unless that replica's load exceeds the least-loaded
@@ -77,6 +81,7 @@ class LoadAwareRouter(RequestRouter):
         kv_weight: float = 0.5,
         max_prefixes: int = 10_000,
         memory_s: float = 60.0,
+        unsent_s: float = 1.0,
     ) -> None:
         """Settings from `request_router_kwargs`."""
         self.tight_classes = set(tight_classes if tight_classes is not None else ["interactive"])
@@ -87,26 +92,51 @@ class LoadAwareRouter(RequestRouter):
         # conversation-prefix key -> (replica it was routed to, when); oldest first
         self.affinity: collections.OrderedDict[int, tuple[ReplicaID, float]] = collections.OrderedDict()
         self._reported: dict[ReplicaID, tuple[Any, set[int]]] = {}  # each replica's latest reported keys
+        # replica -> when this router chose it for requests Serve has not sent yet (oldest first); a choice not
+        # sent within `unsent_s` is dropped (Serve took another rank, or the request was cancelled)
+        self._unsent: dict[ReplicaID, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self.unsent_s = unsent_s
         live_routers.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
-    def load(self, replica: RunningReplica) -> float:
-        """The replica's load: ongoing requests over its limit, plus weighted KV-cache use."""
+    def load(self, replica: RunningReplica, now: float | None = None) -> float:
+        """The replica's load: ongoing requests (with those chosen for it and not yet sent) over its limit,
+        plus weighted KV-cache use."""
         stats = replica.routing_stats or {}
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         if ongoing is None:
             ongoing = stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        ongoing += self._num_unsent(replica.replica_id, time.monotonic() if now is None else now)
         return ongoing / max(1, replica.max_ongoing_requests) + self.kv_weight * stats.get("kv_cache_usage", 0.0)
+
+    def _num_unsent(self, replica_id: ReplicaID, now: float) -> int:
+        """Requests chosen for the replica within `unsent_s` that Serve has not sent yet."""
+        unsent = self._unsent.get(replica_id)
+        if not unsent:
+            return 0
+        while unsent and now - unsent[0] > self.unsent_s:
+            unsent.popleft()
+        return len(unsent)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         """Replicas in order of preference, one per rank (Serve tries them in turn)."""
-        ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), r.replica_id.unique_id))
+        now = time.monotonic()
+        ranked = sorted(candidate_replicas, key=lambda r: (self.load(r, now), r.replica_id.unique_id))
         try:
             ranked = self._prefer_home(ranked, pending_request)
         except Exception:  # never fail routing: the caller would wait forever
             log.exception("prefix affinity failed; routing by load")
+        if ranked:
+            self._unsent[ranked[0].replica_id].append(now)
         return [[r] for r in ranked]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Serve sent a request to the replica: its queue-length count now has it, so one choice is settled."""
+        super().on_send_request(replica_id)
+        unsent = self._unsent.get(replica_id)
+        if unsent:
+            unsent.popleft()
 
     def held_chars(self, replica: RunningReplica, keys: list[PrefixKey], now: float | None = None) -> int:
         """Characters of the longest prefix of the conversation (`keys`) the replica holds: reported as
@@ -163,5 +193,6 @@ class LoadAwareRouter(RequestRouter):
         """Forget a dead replica's prefixes."""
         super().on_replica_actor_died(replica_id)
         self._reported.pop(replica_id, None)
+        self._unsent.pop(replica_id, None)
         for key in [k for k, (r, _) in self.affinity.items() if r == replica_id]:
             del self.affinity[key]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import threading
 import time
@@ -87,6 +89,22 @@ def test_router_keeps_prefix_affinity_within_the_imbalance_and_sends_tight_class
     assert observed and all('replica="' in line for line in observed)
     # the home replica stepped the long streams; the other may have run too little to have observed a step
     assert max(float(line.split()[-1]) for line in observed) > 0, observed
+
+
+def test_router_spreads_requests_that_arrive_together(base_url):
+    url = f"{base_url}/routed/v1/chat/completions"
+
+    async def burst(n: int) -> list[str]:  # n requests at once, no shared prefix: load decides
+        async with httpx.AsyncClient(timeout=120) as client:
+            messages = [[{"role": "user", "content": f"Count to {i + 3}."}] for i in range(n)]
+            bodies = [{"model": MODEL, "messages": m, "max_tokens": 16} for m in messages]
+            replies = await asyncio.gather(*(client.post(url, json=body) for body in bodies))
+        return [r.raise_for_status().headers["x-lyanna-replica"] for r in replies]
+
+    for wait in (0, 11):  # 11 s: past Serve's queue-length cache timeout (10 s), so the burst finds them expired
+        time.sleep(wait)
+        counts = collections.Counter(asyncio.run(burst(12)))
+        assert len(counts) == 2 and max(counts.values()) <= 8, counts  # not all on the replica ranked first
 
 
 def replicas(app: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -63,8 +64,16 @@ def router() -> LoadAwareRouter:
     r = object.__new__(LoadAwareRouter)  # the ranking needs no Serve controller
     r._replica_queue_len_cache = ReplicaQueueLengthCache()
     r._deployment_id = DeploymentID(name="LLMReplica", app_name="llm")
+    r._use_replica_queue_len_cache = False  # Serve's own count is set by hand where a test needs it
     r.initialize_state(tight_classes=["interactive"], imbalance=0.25)
     return r
+
+
+async def route(r: LoadAwareRouter, candidates, request):
+    """Serve's side of routing one request: the router's ranks, then the request sent to the first."""
+    ranks = await r.choose_replicas(candidates, request)
+    r.on_send_request(ranks[0][0].replica_id)
+    return ranks
 
 
 def pending(content: str, slo: str | None = None):
@@ -80,19 +89,40 @@ def test_router_ranks_by_load_and_keeps_prefix_affinity_within_the_imbalance():
 async def _router_ranking():
     r = router()
     a, b, c = replica("a", 8), replica("b", 2, kv=0.9), replica("c", 4)  # loads 0.25, 0.51, 0.125
-    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    ranks = await route(r, [a, b, c], pending("hello"))
     assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a", "b"]
     r.on_request_routed(pending("hello"), a.replica_id, None)
-    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    ranks = await route(r, [a, b, c], pending("hello"))
     assert ranks[0][0] is a  # its prefix's replica, 0.125 above the least loaded
     untyped = SimpleNamespace(args=[{"messages": [{"role": "user", "content": "hello"}]}])  # not a ChatRequest
-    assert (await r.choose_replicas([a, b, c], untyped))[0][0] is c  # no request to read: ranked by load alone
-    ranks = await r.choose_replicas([a, b, c], pending("hello", slo="interactive"))
+    assert (await route(r, [a, b, c], untyped))[0][0] is c  # no request to read: ranked by load alone
+    ranks = await route(r, [a, b, c], pending("hello", slo="interactive"))
     assert ranks[0][0] is c  # a tight class always takes the least loaded
     r._replica_queue_len_cache.update(a.replica_id, 20)  # the router's own count is fresher than the stats
-    ranks = await r.choose_replicas([a, b, c], pending("hello"))
+    ranks = await route(r, [a, b, c], pending("hello"))
     assert ranks[0][0] is c and ranks[-1][0] is a  # 0.625 is beyond the imbalance: affinity yields
     assert conversation_keys(pending("hello").args[0].messages) != conversation_keys(pending("hullo").args[0].messages)
+
+
+def test_router_spreads_a_burst_that_serve_routes_before_sending_any_of_it():
+    asyncio.run(_burst())
+
+
+async def _burst():
+    r = router()
+    a, b = replica("a", 0), replica("b", 0)
+    # Serve chooses a replica for every request of a burst before it sends one, so the stats and Serve's own
+    # queue-length count stay where they were: the router counts the choices it has made
+    firsts = [(await r.choose_replicas([a, b], pending(f"question {i}")))[0][0] for i in range(16)]
+    assert sum(x is a for x in firsts) == 8 and sum(x is b for x in firsts) == 8
+    cache = r._replica_queue_len_cache
+    for x in firsts:  # then sends them: Serve's count takes each over from the router's
+        cache.update(x.replica_id, (cache.get(x.replica_id) or 0) + 1)
+        r.on_send_request(x.replica_id)
+    assert r.load(a) == r.load(b) == 8 / 32
+    # a choice Serve never sends (it took the next rank, or the caller went away) stops counting after unsent_s
+    first = (await r.choose_replicas([a, b], pending("late")))[0][0]
+    assert r.load(first) == 9 / 32 and r.load(first, now=time.monotonic() + 2 * r.unsent_s) == 8 / 32
 
 
 def test_router_never_fails_on_a_body_it_cannot_read():
@@ -105,9 +135,9 @@ async def _unreadable_bodies():
     surrogate = pending("\ud800 hi")  # valid JSON ("\ud800"), not encodable as UTF-8
     assert conversation_keys(surrogate.args[0].messages) != conversation_keys(pending("\ud801 hi").args[0].messages)
     r.on_request_routed(surrogate, a.replica_id, None)
-    assert (await r.choose_replicas([a, c], surrogate))[0][0] is a  # affinity still works for it
+    assert (await route(r, [a, c], surrogate))[0][0] is a  # affinity still works for it
     odd = SimpleNamespace(args=[SimpleNamespace(messages=[{"role": "user", "content": "x"}], slo_class=["unhashable"])])
-    ranks = await r.choose_replicas([a, c], odd)  # the affinity step raises inside: ranked by load alone
+    ranks = await route(r, [a, c], odd)  # the affinity step raises inside: ranked by load alone
     assert [x[0].replica_id.unique_id for x in ranks] == ["c", "a"]
     r.on_request_routed(odd, c.replica_id, None)
 
@@ -160,16 +190,16 @@ async def _prefix_scores():
     a.routing_stats["prefix_keys"] = [keys[0].key]  # the system prompt only
     b.routing_stats["prefix_keys"] = [keys[2].key]  # the first turn and its answer
     assert [r.held_chars(x, keys) for x in (a, b, c)] == [keys[0].chars, keys[2].chars, 0]
-    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is b  # longest held, though c is idler
+    assert (await route(r, [a, b, c], pending_chat(turn2)))[0][0] is b  # longest held, though c is idler
     b.routing_stats["prefix_keys"] = []  # b evicted it: a holds the longest prefix, within the imbalance of c
-    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is a
+    assert (await route(r, [a, b, c], pending_chat(turn2)))[0][0] is a
     a.routing_stats["prefix_keys"] = []
-    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is c  # nobody holds it: least loaded
+    assert (await route(r, [a, b, c], pending_chat(turn2)))[0][0] is c  # nobody holds it: least loaded
     # until a replica reports what it served, the router's own record of where a prefix went counts
     r.on_request_routed(pending_chat(turn1), b.replica_id, None)
-    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is b
+    assert (await route(r, [a, b, c], pending_chat(turn2)))[0][0] is b
     r.memory_s = 0.0  # ... for memory_s only; then the replicas' reports rule
-    assert (await r.choose_replicas([a, b, c], pending_chat(turn2)))[0][0] is c
+    assert (await route(r, [a, b, c], pending_chat(turn2)))[0][0] is c
 
 
 def test_the_ingress_finds_the_router_of_its_process():
