@@ -7,7 +7,8 @@ the engine settings of `--config` (serve_config.yaml: what `make run` serves). `
 default) deploys the application as that file does, autoscaling held at each deployment's initial replica
 count (serve_config.yaml: two LLM replicas of one CPU thread each, sized for a 2-core machine); `--layout
 one` deploys one LLM replica with as many threads as the offline engine. The offline side is one engine in
-this process with `--threads` threads (default: all the machine's cores, the engine at its best).
+this process with `--threads` threads (default: all the machine's cores, one engine as a user runs it offline;
+on a 2-core machine two engines of one thread each, as the replicas run, decode 1.2-1.4x as much at 16 streams).
 Then, per concurrency level, it alternates waves of `--concurrency` concurrent streaming requests through
 the openai client (HTTP) and through an `AsyncEngine` in this process (offline), so machine noise hits both
 alike. Reports tokens/s over all timed waves and the median over waves of the paired ratio (each wave run
