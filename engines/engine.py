@@ -34,7 +34,7 @@ from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels import fused_decoder
-from kernels.dispatch import cpu_has_half_precision_math, set_kernel_mode
+from kernels.dispatch import set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,9 @@ class LLMEngine:
                     "kv_cache_dtype int8 runs on the fused CPU decoder only: a CPU device, integer-dot weights "
                     "(quantization gguf, int4 or int8), kernels auto and enforce_eager false"
                 )
-        # a cache the eager layers would read in emulated arithmetic here: every step goes through the fused decoder
-        emulated = self.device.type == "cpu" and dtype != torch.float32 and not cpu_has_half_precision_math(dtype)
-        fused_only = dtype == torch.int8 or (fused and emulated)
+        # where the fused decoder applies it takes every step: the eager layers would compute other numbers, and a
+        # token's result would then depend on how many tokens share its step (and an int8 cache only it reads)
+        fused_only = dtype == torch.int8 or fused
         if fused_only:
             step_tokens = min(step_tokens, fused_decoder.max_rows())
             chunk = min(chunk, step_tokens)

@@ -18,7 +18,7 @@ from torch import nn
 
 from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
-from engines.kv_cache import PagedKVCache, cpu_has_half_precision_math
+from engines.kv_cache import PagedKVCache
 from engines.parallel import (
     ColumnParallelLinear,
     PackableLinear,
@@ -28,7 +28,6 @@ from engines.parallel import (
 )
 from kernels import fused_decoder, onednn_linear
 from kernels.quantized_linear import (
-    ACTIVATION_DTYPE,
     GROUP_SIZE,
     Int4Codes,
     QuantizedWeight,
@@ -245,9 +244,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
         """LM head in the model dtype (or quantized), returned in fp32 for sampling."""
         if self.lm_head_quant is not None:
-            if self.lm_head_wide is not None and hidden.shape[0] >= self.lm_head_quant.wide_min_rows:
-                return F.linear(hidden.float(), self.lm_head_wide)
-            return self.lm_head_quant.matmul(hidden, torch.float32)
+            return self.lm_head_quant.matmul(hidden, torch.float32)  # each row's logits whatever the rows
         if self.lm_head_exact is not None:
             return F.linear(hidden.float(), self.lm_head_exact)
         return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
@@ -284,7 +281,7 @@ class LlamaModel(nn.Module):
             return
         self.lm_head_quant = pack_int4(weight) if isinstance(weight, Int4Codes) else weight
         self.lm_head_packed = None
-        self.lm_head_wide = None if cpu_has_half_precision_math(ACTIVATION_DTYPE) else dequantized(weight)
+        self.lm_head_wide = None
 
     @torch.no_grad()
     def load_gguf(self, weights: GGUFWeights) -> None:
@@ -365,8 +362,6 @@ class LlamaModel(nn.Module):
         weights other than bf16, tensor parallelism): then run `forward` step by step."""
         head, rows = self.lm_head_quant, input_ids.shape[0]
         if not self.takes_greedy_steps(kv_cache) or meta.parents is None or head is None:
-            return None
-        if self.lm_head_wide is not None and rows >= head.wide_min_rows:
             return None
         fused = self.fused_decoder(kv_cache, rows)
         if fused is None:

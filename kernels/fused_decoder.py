@@ -16,21 +16,20 @@ on the host give (decoder.c's `decoder_greedy`).
 It applies (`applies`) where the model runs the integer-dot kernels (either layout) on CPU, on one rank or
 on tensor-parallel ranks that sum through shared memory (engines/shm_all_reduce.py: the C forward does its
 two all-reduces a layer there itself), with an fp32, bf16 or int8 cache, head_dim a multiple of 8 up to 128 and
-at most 16 query heads per KV head; the model runs larger steps (`max_rows`) and every other configuration
-through its eager layers.
+at most 16 query heads per KV head; where it applies it takes every step (whole prompt chunks too), and every
+other configuration runs through the model's eager layers.
 
-On CPUs with AMX (csrc/amx.c) one call takes a whole prompt chunk (`MANY_ROWS`): the projections of other rows
-go 16 rows per tile product (the same numbers as csrc/vnni.c's); in a bf16 (or int8) cache a sequence's prompt tokens
-(`AttentionMetadata.prompt_tokens`: never a draft tree's or a generated token's) enter the projections as
-bf16 rows against the weights dequantized to bf16 (fp32 sums over the whole row: more accurate than int8
-blocks, `PROMPT_BF16`), and attend 16 queries at a time
-over their keys, flash-style, with Q, K, P and V in bf16 and fp32 softmax and sums (the eager layers'
-precision). Each prompt token's attention is computed the same way however the prompt is cut into chunks
-(and whatever else is in the batch), as each generated token's is by the one-by-one path: so a prompt read
-from cached blocks plus a short remainder gives what reading it whole gives, bit for bit. With AMX and a
-bf16 or int8 cache the one-by-one tokens (decodes, draft trees) attend through the same tiles and precision too,
-a KV head's query heads in the lanes over the token's keys laid out in its thread's scratch; a draft
-token accepted at depth d still gives exactly what decoding it gives.
+Every token is computed the same way whatever shares its call and whatever it is: a prompt token (in a chunk of
+any size, after cached blocks or not), a decode, a draft tree's node. The projections are exact integer dot
+products per row; attention goes over a token's keys in tiles fixed by key position (decoder.c's attend_tile), and
+a prompt's tokens attend as a run that shares each block of keys among its rows, with the same numbers. So greedy
+and seeded answers do not depend on the load, on chunking, on prefix-cache hits, on speculation, or on a
+resumption that re-reads generated tokens as prompt.
+
+On CPUs with AMX (csrc/amx.c) the projections of 16 rows or more go 16 rows per tile product (the same numbers
+as csrc/vnni.c's). `LYANNA_PROMPT_BF16=1` (not deterministic) lets a sequence's prompt tokens
+(`AttentionMetadata.prompt_tokens`) enter the projections there as bf16 rows against the weights dequantized to
+bf16 instead: faster prompts, but a prompt token's result then differs from the same token decoded.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import integer_dot
-from kernels.dispatch import cpu_has_half_precision_math, kernel_mode
+from kernels.dispatch import kernel_mode
 from kernels.quantized_linear import INTEGER_LAYOUTS
 
 if TYPE_CHECKING:
@@ -56,13 +55,13 @@ if TYPE_CHECKING:
     from engines.shm_all_reduce import SharedSegment
     from kernels.quantized_linear import QuantizedWeight
 
-# Rows up to which one call beats the eager layers without AMX (above, the projections dominate either way).
-MAX_ROWS = 64
-MANY_ROWS = 16384  # rows of one call with AMX (whole prompt chunks)
+MAX_ROWS = 64  # rows of one call of a drafter's layer (FusedDraftLayer)
+MANY_ROWS = 16384  # rows of one call of the target's decoder (whole prompt chunks)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: codes beside a bf16 scale per 32 values
 # Prompt tokens' projections in bf16 tiles on AMX CPUs (amx.c's amx_bf16_blocks over the weights dequantized a
-# panel at a time); off (`LYANNA_PROMPT_BF16=0`), they go through the int8 blocks that decoding uses.
-PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "1") != "0"
+# panel at a time) with `LYANNA_PROMPT_BF16=1`: faster prompts there, but not deterministic (a prompt token's
+# result differs from the same token decoded). By default they go through the int8 blocks that decoding uses.
+PROMPT_BF16 = os.environ.get("LYANNA_PROMPT_BF16", "0") == "1"
 # Those rows' gate_up and SwiGLU in one pass (the gate and up sums of a tile stay in L1); True: in two, as before,
 # which the one pass equals bit for bit (the tests' reference).
 SPLIT_SWIGLU = False
@@ -178,7 +177,7 @@ class Shard:
 _RANK_DIED, _RANK_TIMEOUT = 9, 10  # decoder_forward's codes for a failed all-reduce (decoder.c)
 _BAD_TOKEN = 11  # decoder_greedy's code for a token the embeddings lack
 
-PHASES = ("norm", "qkv", "rope", "pack", "attend", "o", "mlp_in", "gate_up", "swiglu", "down")
+PHASES = ("norm", "qkv", "rope", "attend", "o", "mlp_in", "gate_up", "swiglu", "down")
 
 
 def profile(on: bool) -> dict[str, float]:
@@ -191,12 +190,9 @@ def profile(on: bool) -> dict[str, float]:
 
 
 def max_rows() -> int:
-    """The most new tokens one call takes: `MANY_ROWS` where the AMX kernels run, and on CPUs without bf16
-    arithmetic (AVX2), whose eager layers compute in fp32 (a prompt's projections through the int8 blocks
-    and its attention as a run, avx2_attend_run, cost less there); else `MAX_ROWS`."""
-    if integer_dot.amx_active() or not cpu_has_half_precision_math(torch.bfloat16):
-        return MANY_ROWS
-    return MAX_ROWS
+    """The most new tokens one call takes: every step of an engine whose model the fused decoder applies to
+    (the eager layers would compute other numbers)."""
+    return MANY_ROWS
 
 
 def shared_segment(tp: TensorParallel) -> SharedSegment | None:

@@ -113,7 +113,10 @@ def _library() -> ctypes.CDLL | None:
     lib.amx_configure.restype = i32
     lib.amx_active.argtypes = []
     lib.amx_active.restype = i32
+    lib.vnni_configure.argtypes = [i32]
+    lib.vnni_configure.restype = i32
     lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
+    lib.vnni_configure(int(os.environ.get("LYANNA_VNNI", "1") != "0"))  # 0: AVX2's kernels (the same numbers)
     return lib
 
 

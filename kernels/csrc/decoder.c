@@ -7,21 +7,18 @@
  * (integer_dot.h) -> its bias (Qwen2's q/k/v biases, fp32; none for Llama) -> RoPE -> K/V written to their cache slots -> paged attention over the block table and
  * the token's ancestors among the new tokens -> o_proj -> residual -> RMSNorm -> gate/up -> SwiGLU ->
  * down -> residual. The residual stream, norms, RoPE and softmax are fp32; the cache is fp32, bf16, or int8 codes
- * with a bf16 scale per 32 values (Decoder.cache_int8; store_row, amx.c's bf16_row_of).
+ * with a bf16 scale per 32 values (Decoder.cache_int8; store_row).
  *
  * Every row is computed the same way whatever else is in the batch: the projections row by row
  * (integer_dot.h; amx.c's tiles give the same numbers), and attention over a token's keys in their sequence
- * order (cached tokens, then its ancestors root first), in parts fixed by their number (key_parts), so a draft
- * token accepted at depth d produces exactly what decoding it would.
+ * order (cached tokens, then its ancestors root first) in tiles fixed by key position (attend_tile, fold_tile), so
+ * a token's result does not depend on its batch, on how its prompt was chunked, on whether its keys came from the
+ * prefix cache, or on whether it was read in a prompt, decoded or verified as a draft tree's node. A sequence's lead
+ * prompt tokens (Batch.runs) attend as a run, several rows sharing each block of keys they read (attend_run_rows):
+ * the same numbers as one by one.
  *
- * Where amx.c's kernels run (AMX, a bf16 or int8 cache, head_dim a multiple of 32), a sequence's lead prompt tokens
- * (Batch.runs: a prompt chunk, never draft or generated tokens) attend as a run, 16 queries of a head at a
- * time, over their keys laid out once per layer for the tiles (amx_pack_keys, amx_attend_run); each such
- * token's result, too, does not depend on the batch nor on where its chunk starts or ends. There the other
- * tokens (decodes, draft trees, prompt tokens of no run) attend one by one through the tiles too, reading the
- * keys' rows where the cache holds them, a block of 16 at a time, with the query heads of one KV head as the
- * products' other side (heads_attend, amx_attend_heads): a token's keys in sequence order, the same way
- * whatever the batch, so a draft token accepted at depth d still produces exactly what decoding it would.
+ * Only where the engine is not deterministic (Decoder.prompt_bf16, on AMX CPUs) do a run's projections take bf16
+ * tiles (amx.c): faster prompts, but a prompt token's result then differs from the same token decoded.
  *
  * On a tensor-parallel rank (Decoder.reduce set) the layers hold this rank's heads and MLP channels, and the
  * o_proj and down outputs are summed across the node's ranks in shared memory (all_reduce: the protocol of
@@ -91,7 +88,7 @@ typedef struct {
     const int32_t *block_tables; /* [B, table_stride] */
     const int32_t *parents;      /* [T] parent among its sequence's new tokens, -1 for none (a chain: i - 1) */
     const int32_t *runs;         /* [B] how many lead new tokens of the sequence are a causal run of prompt tokens
-                                  * (parents i - 1), which may attend through amx_attend_run; NULL: none */
+                                  * (parents i - 1), which attend as a run (attend_run_rows); NULL: none */
 } Batch;
 
 /* Activations of `rows` rows of width k as int8 blocks. */
@@ -273,13 +270,6 @@ static inline __m256 load8(const void *base, int64_t index, const Decoder *m, fl
 /* Bytes per value of the decoder's cache. */
 static inline int64_t cache_value_size(const Decoder *m) { return m->cache_int8 ? 1 : m->cache_bf16 ? 2 : 4; }
 
-/* The layer's cache as amx.c's kernels read it (bf16 or int8). */
-static inline KVRows kv_rows(const Decoder *m, const Layer *layer) {
-    const KVRows kv = {layer->k_cache, layer->v_cache, m->cache_int8 ? layer->k_scale : NULL,
-                       m->cache_int8 ? layer->v_scale : NULL, m->num_kv_heads * m->head_dim, m->num_kv_heads};
-    return kv;
-}
-
 /* exp(x), about 1 ulp over [-87, 88] (clamped outside): 2^n p(r) with x = n ln2 + r, |r| <= ln2 / 2. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
@@ -315,7 +305,7 @@ static inline void store_partial(float *p, int64_t n, __m256 x) {
     for (int i = 0; i < n; i++) p[i] = v[i];
 }
 
-#define ATTEND_AHEAD 16 /* keys whose rows `attend` requests ahead of use (see amx_pack_keys) */
+#define ATTEND_AHEAD 16 /* keys whose rows attend_tile requests ahead of use */
 
 /* Requests one KV head's rows of keys [from, to) of `cache` into L1 (rows `row` values of `size` bytes apart). */
 static inline void prefetch_head(const void *cache, const int64_t *slots, int64_t from, int64_t to, int64_t row,
@@ -332,16 +322,39 @@ static inline __m256 sum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-#define ATTEND_KEYS 8 /* keys `attend` takes at a time: one vector of scores per head */
+/* Attention, the same for every query row. A token's keys, in sequence order (its cached keys, then its ancestors
+ * among the new tokens, root first: key j is the token at position j), are cut into tiles of KEY_TILE keys from key 0,
+ * whatever the token is (a prompt token of a run, a decode, a draft tree's node) and whatever shares its call. Per
+ * tile and query head: the scores (each a dot product summed over 8 lanes of head_dim in a fixed order, sum8), their
+ * maximum, p = exp(score - maximum), their sum (8 lanes over the tile's blocks of 8 keys, then hsum) and the sum of p V
+ * (per block of 8 keys in key order, the blocks added in order): attend_tile. The tiles are then folded in order
+ * (fold_tile) and the sum divided by the total. Keys a query does not see (past its own, in a run's tile) have
+ * probability exactly 0 and add exactly nothing. So a token's attention output depends on its query and its keys
+ * alone: read in a prompt (of any chunking, from cached blocks or not), decoded, or verified as a tree node, it is
+ * the same bit for bit. */
+#define KEY_TILE 128   /* keys of an attention tile */
+#define ATTEND_KEYS 8  /* keys of a block: one vector of scores per query */
+#define MAX_QUERIES 64 /* query rows x heads one attend_tile call takes at most */
 
-/* out[h][8 i .. 8 (i + W)) += sum over the block's first `count` keys j of p[h stride + j] block[j][i ..] for the
- * HS heads h (HS, W constants at each call: the sums stay in registers). */
+static inline int64_t key_tiles(int64_t n) { return (n + KEY_TILE - 1) / KEY_TILE; }
+
+/* Query rows of a run's task (one KV head's query heads each): at most MAX_QUERIES queries, at most 16 rows. */
+static inline int64_t run_rows(int64_t group) {
+    const int64_t rows = MAX_QUERIES / group;
+    return rows < 1 ? 1 : rows > 16 ? 16 : rows;
+}
+
+/* e^x of one value, as exp8 computes it (the same bits in every caller). */
+static inline float exp1(float x) { return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x)))); }
+
+/* out[h][8 i .. 8 (i + W)) += sum over the block's ATTEND_KEYS keys j of p[h stride + j] block[j][i ..] for the HS
+ * queries h (HS, W constants at each call: the sums stay in registers). */
 static inline __attribute__((always_inline)) void add_values(const float *p, int64_t stride, const __m256 (*block)[16],
-                                                             int64_t count, int64_t i, int HS, int W, float *out, int64_t dim) {
+                                                             int64_t i, int HS, int W, float *out, int64_t dim) {
     __m256 acc[4][2];
     for (int h = 0; h < HS; h++)
         for (int w = 0; w < W; w++) acc[h][w] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < count; j++)
+    for (int64_t j = 0; j < ATTEND_KEYS; j++)
         for (int h = 0; h < HS; h++) {
             const __m256 weight = _mm256_broadcast_ss(p + h * stride + j);
             for (int w = 0; w < W; w++) acc[h][w] = _mm256_fmadd_ps(weight, block[j][i + w], acc[h][w]);
@@ -353,253 +366,161 @@ static inline __attribute__((always_inline)) void add_values(const float *p, int
         }
 }
 
-/* The query heads q[0..heads) (head_dim apart) that share one KV head, of one token, over its keys
- * (slots[0..n) in sequence order): out[h] = softmax(q[h].K * scale) V. Keys go 8 at a time: their K rows as fp32
- * in a block (read once for every head), each head's 8 scores one vector (8 dot products, their lanes summed
- * together), then their V rows into the heads' sums 16 values at a time. Each head's arithmetic is the same
- * whatever the number of heads, and depends on n and its keys alone. scores: [heads, n rounded up to 8]. With
- * `stats` (else NULL), head h's softmax maximum and sum go to stats[2 h] and stats[2 h + 1]. */
-static void attend(const float *q, int64_t heads, const Decoder *m, const Layer *layer, int64_t kv_head,
-                   const int64_t *slots, int64_t n, float *scores, float *out, float *stats) {
-    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim, vecs = dim / 8, stride = (n + 7) / 8 * 8;
-    const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
-    const uint16_t *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
-    const int64_t groups = dim / 32; /* an int8 cache's scales per head row */
-    __m256 block[ATTEND_KEYS][16];   /* the block's K rows, then V rows (head_dim <= 128) */
-    __m256 best[16];                 /* heads per KV head <= 16 */
-    for (int64_t h = 0; h < heads; h++) best[h] = _mm256_set1_ps(-INFINITY);
-    prefetch_head(layer->k_cache, slots, 0, ahead, row, kv_head, dim, size);
-    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
-        const int64_t count = n - j0 < ATTEND_KEYS ? n - j0 : ATTEND_KEYS;
-        for (int64_t j = 0; j < ATTEND_KEYS; j++) {
-            if (j >= count) { /* past the last key: zeros, scored -inf below */
-                for (int64_t i = 0; i < vecs; i++) block[j][i] = _mm256_setzero_ps();
-                continue;
-            }
-            const int64_t slot = slots[j0 + j], at = slot * row + kv_head * dim;
-            if (j0 + j + ATTEND_AHEAD < n)
-                prefetch_head(layer->k_cache, slots, j0 + j + ATTEND_AHEAD, j0 + j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-            const uint16_t *ks = k_scale ? k_scale + (slot * m->num_kv_heads + kv_head) * groups : NULL;
-            for (int64_t i = 0; i < vecs; i++) block[j][i] = load8(layer->k_cache, at + 8 * i, m, ks ? bf16_to_float(ks[i / 4]) : 1.0f);
-        }
-        const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)count), _CMP_LT_OQ);
-        for (int64_t h = 0; h < heads; h++) {
-            __m256 acc[ATTEND_KEYS];
-            for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < vecs; i++) {
-                const __m256 qv = _mm256_loadu_ps(q + h * dim + 8 * i);
-                for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_fmadd_ps(qv, block[j][i], acc[j]);
-            }
-            const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_mul_ps(sum8(acc), _mm256_set1_ps(m->scale)), valid);
-            _mm256_storeu_ps(scores + h * stride + j0, s);
-            best[h] = _mm256_max_ps(best[h], s);
-        }
-    }
-    float total[16];
-    for (int64_t h = 0; h < heads; h++) {
-        const __m128 b4 = _mm_max_ps(_mm256_castps256_ps128(best[h]), _mm256_extractf128_ps(best[h], 1));
-        const __m128 b2 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
-        const float most = _mm_cvtss_f32(_mm_max_ss(b2, _mm_movehdup_ps(b2)));
-        float *sc = scores + h * stride;
-        __m256 sums = _mm256_setzero_ps();
-        for (int64_t j = 0; j < stride; j += 8) {
-            const __m256 s = _mm256_loadu_ps(sc + j);
-            const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(most))),
-                                           _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-            _mm256_storeu_ps(sc + j, p);
-            sums = _mm256_add_ps(sums, p);
-        }
-        total[h] = hsum(sums);
-        if (stats) stats[2 * h] = most, stats[2 * h + 1] = total[h];
-        for (int64_t i = 0; i < dim; i++) out[h * dim + i] = 0.0f;
-    }
-    prefetch_head(layer->v_cache, slots, 0, ahead, row, kv_head, dim, size);
-    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
-        const int64_t count = n - j0 < ATTEND_KEYS ? n - j0 : ATTEND_KEYS;
-        for (int64_t j = 0; j < count; j++) {
-            const int64_t slot = slots[j0 + j], at = slot * row + kv_head * dim;
-            if (j0 + j + ATTEND_AHEAD < n)
-                prefetch_head(layer->v_cache, slots, j0 + j + ATTEND_AHEAD, j0 + j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
-            const uint16_t *vs = v_scale ? v_scale + (slot * m->num_kv_heads + kv_head) * groups : NULL;
-            for (int64_t i = 0; i < vecs; i++) block[j][i] = load8(layer->v_cache, at + 8 * i, m, vs ? bf16_to_float(vs[i / 4]) : 1.0f);
-        }
-        for (int64_t h0 = 0; h0 < heads; h0 += 4) { /* up to 4 heads x 16 values of sums in registers */
-            const int64_t hs = heads - h0 < 4 ? heads - h0 : 4;
-            for (int64_t i = 0; i < vecs; i += 2) {
-                const float *p = scores + h0 * stride + j0;
-                float *o = out + h0 * dim + 8 * i;
-#define PV(HS, W) add_values(p, stride, block, count, i, HS, W, o, dim)
-                if (i + 1 < vecs) {
-                    switch (hs) {
-                    case 1: PV(1, 2); break;
-                    case 2: PV(2, 2); break;
-                    case 3: PV(3, 2); break;
-                    default: PV(4, 2); break;
-                    }
-                } else {
-                    switch (hs) {
-                    case 1: PV(1, 1); break;
-                    case 2: PV(2, 1); break;
-                    case 3: PV(3, 1); break;
-                    default: PV(4, 1); break;
-                    }
-                }
-#undef PV
-            }
-        }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / total[h]);
-        for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + h * dim + i, _mm256_mul_ps(_mm256_loadu_ps(out + h * dim + i), inv));
-    }
-}
-
-/* A prompt run's attention without AMX: each run's keys and values laid out once per layer and KV head as fp32
- * (keys transposed 16 at a time, kt [n_pad / 16][dim][16], so that a block of 16 keys' scores is 16 lanes of FMAs
- * over contiguous memory; values v [n_pad][dim]),
- * and a tile of up to 16 consecutive query rows of one head scored against them 4 rows by 16 keys at a time,
- * flash-style: keys in chunks of RUN_KEYS_AVX2 from key 0, each row's softmax updated per chunk. Every query row is
- * computed the same way whatever rows share its tile: its chunks start at fixed keys, keys past its own end score
- * -inf (their probabilities are exact zeros, which add nothing), and its sums run in key order. */
-#define RUN_KEYS_AVX2 256
-#define RUN_TILE_ROWS 4 /* query rows of a register tile (6 measured slower: 12 accumulators and the operands spill) */
-
-/* Keys [k0, k1) of a run (n of them, the rest zeros up to n_pad) of KV head kv_head, laid out as above. */
-static void avx2_pack_keys(const Decoder *m, const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n,
-                           int64_t n_pad, float *kt, float *v, int64_t k0, int64_t k1) {
-    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim, groups = dim / 32;
-    for (int64_t j = k0; j < k1; j++) {
-        if (j >= n) {
-            for (int64_t i = 0; i < dim; i++) kt[(j / 16 * dim + i) * 16 + j % 16] = 0.0f, v[j * dim + i] = 0.0f;
+/* Rows j0 .. j0 + ATTEND_KEYS of one KV head's K or V (`cache`, with `scale` for an int8 cache) as fp32 in block;
+ * rows past `count` are zeros. */
+static inline void load_block(const Decoder *m, const void *cache, const uint16_t *scale, int64_t kv_head,
+                              const int64_t *slots, int64_t j0, int64_t count, int64_t n, __m256 (*block)[16]) {
+    const int64_t dim = m->head_dim, row = m->num_kv_heads * dim, vecs = dim / 8, groups = dim / 32;
+    const int64_t size = cache_value_size(m);
+    for (int64_t j = 0; j < ATTEND_KEYS; j++) {
+        if (j >= count) { /* past the tile's last key: zeros (their probabilities are 0) */
+            for (int64_t i = 0; i < vecs; i++) block[j][i] = _mm256_setzero_ps();
             continue;
         }
-        const int64_t at = slots[j] * row + kv_head * dim;
-        const uint16_t *ks = m->cache_int8 ? layer->k_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
-        const uint16_t *vs = m->cache_int8 ? layer->v_scale + (slots[j] * m->num_kv_heads + kv_head) * groups : NULL;
-        for (int64_t i = 0; i < dim; i += 8) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, load8(layer->k_cache, at + i, m, ks ? bf16_to_float(ks[i / 32]) : 1.0f));
-            for (int l = 0; l < 8; l++) kt[(j / 16 * dim + i + l) * 16 + j % 16] = lanes[l];
-            _mm256_storeu_ps(v + j * dim + i, load8(layer->v_cache, at + i, m, vs ? bf16_to_float(vs[i / 32]) : 1.0f));
-        }
+        const int64_t slot = slots[j0 + j], at = slot * row + kv_head * dim;
+        if (j0 + j + ATTEND_AHEAD < n) prefetch_head(cache, slots, j0 + j + ATTEND_AHEAD, j0 + j + ATTEND_AHEAD + 1, row, kv_head, dim, size);
+        const uint16_t *s = scale ? scale + (slot * m->num_kv_heads + kv_head) * groups : NULL;
+        for (int64_t i = 0; i < vecs; i++) block[j][i] = load8(cache, at + 8 * i, m, s ? bf16_to_float(s[i / 4]) : 1.0f);
     }
 }
 
-/* Scores of rows i0 .. i0 + R (R a constant in each inlined copy, so the tile stays in registers) against keys
- * k0 + j .. k0 + j + 15. */
-static inline __attribute__((always_inline)) void avx2_score_tile(const float *q, int64_t q_stride, int64_t i0, int64_t R,
-                                                                 int64_t limit, const float *kd, int64_t dim, float scale,
-                                                                 int64_t k0, int64_t j, float *sc) {
-    __m256 acc[RUN_TILE_ROWS][2];
-    for (int64_t r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d++) {
-        const __m256 a = _mm256_load_ps(kd + d * 16), b = _mm256_load_ps(kd + d * 16 + 8);
-        for (int64_t r = 0; r < R; r++) {
-            const __m256 x = _mm256_broadcast_ss(q + (i0 + r) * q_stride + d);
-            acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);
-        }
-    }
+/* One tile of keys (slots[0..n), n <= KEY_TILE, of KV head kv_head) for `rows` query rows of `heads` query heads each
+ * (query (r, h) at q + r q_row + h dim): row r sees the tile's first min(n, first + r) keys (none where that is not
+ * positive). Writes each query's sum of p V, not normalised, to out + r out_row + h dim, and its maximum score and
+ * sum of p to stats[2 (r heads + h)], [.. + 1] (-inf and 0 for a row that sees no key). scores: [rows heads][KEY_TILE]
+ * scratch. Every query's arithmetic depends on its own query and keys alone (attention, above). */
+static void attend_tile(const float *q, int64_t q_row, int64_t rows, int64_t heads, int64_t first, const Decoder *m,
+                        const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n, float *out, int64_t out_row,
+                        float *stats, float *scores) {
+    const int64_t dim = m->head_dim, vecs = dim / 8, stride = KEY_TILE;
+    const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
+    const uint16_t *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
+    const int64_t row_len = m->num_kv_heads * dim;
+    __m256 block[ATTEND_KEYS][16]; /* a block's K rows, then V rows (head_dim <= 128) */
+    __m256 best[MAX_QUERIES];
+    for (int64_t u = 0; u < rows * heads; u++) best[u] = _mm256_set1_ps(-INFINITY);
+    prefetch_head(layer->k_cache, slots, 0, ahead, row_len, kv_head, dim, size);
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
-    for (int64_t r = 0; r < R; r++) { /* key k0 + j + l of row i0 + r is past its end from limit + i0 + r */
-        const __m256 end = _mm256_set1_ps((float)(limit + i0 + r - k0 - j));
-        for (int h = 0; h < 2; h++) {
-            const __m256 past = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * h)), end, _CMP_GE_OQ);
-            _mm256_storeu_ps(sc + (i0 + r) * RUN_KEYS_AVX2 + j + 8 * h,
-                             _mm256_blendv_ps(_mm256_mul_ps(acc[r][h], _mm256_set1_ps(scale)), minus_inf, past));
-        }
-    }
-}
-
-/* out rows i0 .. i0 + R, dims d0 .. d0 + 15 += P V over the chunk's width keys (R constant per inlined copy). */
-static inline __attribute__((always_inline)) void avx2_values_tile(const float *sc, int64_t i0, int64_t R, const float *vd,
-                                                                  int64_t width, int64_t dim, float *out, int64_t out_stride) {
-    __m256 acc[RUN_TILE_ROWS][2];
-    for (int64_t r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_loadu_ps(out + (i0 + r) * out_stride + 8 * h);
-    for (int64_t j = 0; j < width; j++) {
-        const __m256 a = _mm256_loadu_ps(vd + j * dim), b = _mm256_loadu_ps(vd + j * dim + 8);
-        for (int64_t r = 0; r < R; r++) {
-            const __m256 p = _mm256_broadcast_ss(sc + (i0 + r) * RUN_KEYS_AVX2 + j);
-            acc[r][0] = _mm256_fmadd_ps(p, a, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(p, b, acc[r][1]);
-        }
-    }
-    for (int64_t r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (i0 + r) * out_stride + 8 * h, acc[r][h]);
-}
-
-/* Query rows q[0..rows) (q_stride apart) of one head; row i attends keys [0, limit + i) of kt / v (above). out[i] =
- * softmax(q[i] . K * scale) V, out_stride apart. sc: scratch of 16 * RUN_KEYS_AVX2 floats. */
-static void avx2_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const float *kt, const float *v,
-                            int64_t n_pad, int64_t dim, float scale, float *out, int64_t out_stride, float *sc) {
-    float most[16], total[16];
-    for (int64_t i = 0; i < rows; i++) {
-        most[i] = -INFINITY, total[i] = 0.0f;
-        for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] = 0.0f;
-    }
-    const int64_t last = limit + rows - 1; /* keys of the last row */
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-    for (int64_t k0 = 0; k0 < last; k0 += RUN_KEYS_AVX2) {
-        const int64_t k1 = k0 + RUN_KEYS_AVX2 < last ? k0 + RUN_KEYS_AVX2 : last, width = (k1 - k0 + 15) / 16 * 16;
-        for (int64_t j = 0; j < width; j += 16) {
-            const float *kd = kt + (k0 + j) * dim; /* the block of keys k0 + j .. k0 + j + 15 */
-            int64_t i0 = 0;
-            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) /* scores, RUN_TILE_ROWS rows x 16 keys at a time */
-                avx2_score_tile(q, q_stride, i0, RUN_TILE_ROWS, limit, kd, dim, scale, k0, j, sc);
-            for (; i0 < rows; i0++) avx2_score_tile(q, q_stride, i0, 1, limit, kd, dim, scale, k0, j, sc);
-        }
-        for (int64_t i = 0; i < rows; i++) { /* each row's softmax over the chunk, its output rescaled */
-            float *row = sc + i * RUN_KEYS_AVX2;
-            if (limit + i <= k0) { /* no key of this row in the chunk */
-                for (int64_t j = 0; j < width; j++) row[j] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
+        load_block(m, layer->k_cache, k_scale, kv_head, slots, j0, n - j0, n, block);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t seen = (first + r < n ? first + r : n) - j0; /* this row's keys in the block, from its start */
+            if (seen <= 0) {
+                for (int64_t h = 0; h < heads; h++) _mm256_storeu_ps(scores + (r * heads + h) * stride + j0, minus_inf);
                 continue;
             }
-            __m256 high = minus_inf;
-            for (int64_t j = 0; j < width; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
-            float lanes[8], now = most[i];
-            _mm256_storeu_ps(lanes, high);
-            for (int l = 0; l < 8; l++) now = lanes[l] > now ? lanes[l] : now; /* not fmaxf: a libm call per lane here */
+            const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)seen), _CMP_LT_OQ);
+            for (int64_t h = 0; h < heads; h++) {
+                const float *qh = q + r * q_row + h * dim;
+                __m256 acc[ATTEND_KEYS];
+                for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < vecs; i++) {
+                    const __m256 qv = _mm256_loadu_ps(qh + 8 * i);
+                    for (int64_t j = 0; j < ATTEND_KEYS; j++) acc[j] = _mm256_fmadd_ps(qv, block[j][i], acc[j]);
+                }
+                const __m256 s = _mm256_blendv_ps(minus_inf, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(m->scale)), valid);
+                _mm256_storeu_ps(scores + (r * heads + h) * stride + j0, s);
+                best[r * heads + h] = _mm256_max_ps(best[r * heads + h], s);
+            }
+        }
+    }
+    const int64_t width = (n + ATTEND_KEYS - 1) / ATTEND_KEYS * ATTEND_KEYS;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t u = r * heads + h;
+            const __m128 b4 = _mm_max_ps(_mm256_castps256_ps128(best[u]), _mm256_extractf128_ps(best[u], 1));
+            const __m128 b2 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
+            const float most = _mm_cvtss_f32(_mm_max_ss(b2, _mm_movehdup_ps(b2)));
+            float *sc = scores + u * stride, *o = out + r * out_row + h * dim;
             __m256 sums = _mm256_setzero_ps();
             for (int64_t j = 0; j < width; j += 8) {
-                const __m256 s = _mm256_loadu_ps(row + j);
-                const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(now))), _mm256_cmp_ps(s, minus_inf, _CMP_NEQ_OQ));
-                _mm256_storeu_ps(row + j, p);
+                const __m256 s = _mm256_loadu_ps(sc + j);
+                const __m256 p = most == -INFINITY ? _mm256_setzero_ps()
+                                                   : _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(most))),
+                                                                   _mm256_cmp_ps(s, minus_inf, _CMP_NEQ_OQ));
+                _mm256_storeu_ps(sc + j, p);
                 sums = _mm256_add_ps(sums, p);
             }
-            const float keep = most[i] == -INFINITY ? 0.0f : expf(most[i] - now);
-            total[i] = total[i] * keep + hsum(sums);
-            most[i] = now;
-            if (keep != 1.0f)
-                for (int64_t d = 0; d < dim; d++) out[i * out_stride + d] *= keep;
+            stats[2 * u] = most, stats[2 * u + 1] = hsum(sums);
+            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
         }
-        for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-            const float *vd = v + k0 * dim + d0;
-            int64_t i0 = 0;
-            for (; i0 + RUN_TILE_ROWS <= rows; i0 += RUN_TILE_ROWS) /* out += P V, RUN_TILE_ROWS rows x 16 dims at a time */
-                avx2_values_tile(sc, i0, RUN_TILE_ROWS, vd, width, dim, out + d0, out_stride);
-            for (; i0 < rows; i0++) avx2_values_tile(sc, i0, 1, vd, width, dim, out + d0, out_stride);
+    prefetch_head(layer->v_cache, slots, 0, ahead, row_len, kv_head, dim, size);
+    for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
+        load_block(m, layer->v_cache, v_scale, kv_head, slots, j0, n - j0, n, block);
+        for (int64_t r = 0; r < rows; r++) {
+            if ((first + r < n ? first + r : n) <= j0) continue; /* none of this row's keys: its p are all 0 */
+            for (int64_t h0 = 0; h0 < heads; h0 += 4) { /* up to 4 heads x 16 values of sums in registers */
+                const int64_t hs = heads - h0 < 4 ? heads - h0 : 4;
+                for (int64_t i = 0; i < vecs; i += 2) {
+                    const float *p = scores + (r * heads + h0) * stride + j0;
+                    float *o = out + r * out_row + h0 * dim + 8 * i;
+#define PV(HS, W) add_values(p, stride, block, i, HS, W, o, dim)
+                    if (i + 1 < vecs) {
+                        switch (hs) {
+                        case 1: PV(1, 2); break;
+                        case 2: PV(2, 2); break;
+                        case 3: PV(3, 2); break;
+                        default: PV(4, 2); break;
+                        }
+                    } else {
+                        switch (hs) {
+                        case 1: PV(1, 1); break;
+                        case 2: PV(2, 1); break;
+                        case 3: PV(3, 1); break;
+                        default: PV(4, 1); break;
+                        }
+                    }
+#undef PV
+                }
+            }
         }
-    }
-    for (int64_t i = 0; i < rows; i++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / total[i]);
-        for (int64_t d = 0; d < dim; d += 8)
-            _mm256_storeu_ps(out + i * out_stride + d, _mm256_mul_ps(_mm256_loadu_ps(out + i * out_stride + d), inv));
     }
 }
 
-/* Whether one-by-one tokens attend through amx_attend_heads (the tiles) rather than `attend`. */
-static int heads_attend(const Decoder *m) {
-    return amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0 && m->head_dim <= 128 &&
-           m->num_heads / m->num_kv_heads <= 16;
+/* Fold one query's tile (its sum of p V `o`, maximum `most` and sum `total`, from attend_tile) into its running
+ * result (acc, *run_most, *run_total); the first tile (`first`) is taken as it is. Tiles fold in key order. */
+static inline void fold_tile(float *acc, float *run_most, float *run_total, const float *o, float most, float total,
+                             int first, int64_t dim) {
+    if (first) {
+        if (acc != o) memcpy(acc, o, sizeof(float) * dim);
+        *run_most = most, *run_total = total;
+        return;
+    }
+    if (most == -INFINITY) return; /* a tile this query sees no key of */
+    const float high = most > *run_most ? most : *run_most;
+    const float keep = exp1(*run_most - high), take = exp1(most - high);
+    *run_total = _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(total), _mm_set_ss(take), _mm_set_ss(*run_total * keep)));
+    *run_most = high;
+    const __m256 k = _mm256_set1_ps(keep), t = _mm256_set1_ps(take);
+    for (int64_t i = 0; i < dim; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(_mm256_loadu_ps(o + i), t, _mm256_mul_ps(_mm256_loadu_ps(acc + i), k)));
 }
 
-/* A one-by-one token's keys are attended in parts, each part of each KV head a task of its own, so that a
- * decode's or a small tree's attention spreads over the team; the parts' results are then merged by their
- * softmax statistics. The parts depend on the token's number of keys alone (never on its batch), so a draft
- * token accepted at depth d still produces exactly what decoding it would. */
-#define PART_KEYS 256 /* keys per part at least (but the last) */
-#define MAX_PARTS 8
+/* acc [dim] divided by the query's total: its attention output, into out. */
+static inline void finish_query(const float *acc, float total, int64_t dim, float *out) {
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), inv));
+}
+
+/* Rows i0 .. i0 + rows of a run of consecutive new tokens of one sequence (row i's keys: slots[0 .. limit + i), in
+ * sequence order) for one KV head's `group` query heads: their attention outputs, tile after tile, each query folded
+ * as it goes (the same folds a one-by-one token's tiles get). q: the first row's first query head of the KV head,
+ * q_row apart; out likewise, out_row apart. scratch: per thread, run_scratch_floats(group, dim). */
+static void attend_run_rows(const float *q, int64_t q_row, int64_t rows, int64_t limit, int64_t group, const Decoder *m,
+                            const Layer *layer, int64_t kv_head, const int64_t *slots, float *out, int64_t out_row,
+                            float *scratch) {
+    const int64_t dim = m->head_dim, queries = rows * group, last = limit + rows - 1; /* the last row's keys */
+    float *scores = scratch, *tile_out = scores + MAX_QUERIES * KEY_TILE, *acc = tile_out + MAX_QUERIES * dim;
+    float *stats = acc + MAX_QUERIES * dim, *run = stats + 2 * MAX_QUERIES; /* run: per query its maximum and total */
+    for (int64_t c = 0; c * KEY_TILE < last; c++) {
+        const int64_t k0 = c * KEY_TILE, n = last - k0 < KEY_TILE ? last - k0 : KEY_TILE;
+        attend_tile(q, q_row, rows, group, limit - k0, m, layer, kv_head, slots + k0, n, tile_out, group * dim, stats, scores);
+        for (int64_t u = 0; u < queries; u++)
+            fold_tile(acc + u * dim, run + 2 * u, run + 2 * u + 1, tile_out + u * dim, stats[2 * u], stats[2 * u + 1], c == 0, dim);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < group; h++) finish_query(acc + (r * group + h) * dim, run[2 * (r * group + h) + 1], dim, out + r * out_row + h * dim);
+}
 
 /* Keys whose next-layer K and V rows are prefetched toward L2 while a layer's down projection streams its weights
  * (the first keys of each sequence's first one-by-one token, in batch order): a decode's keys come back from
@@ -607,34 +528,8 @@ static int heads_attend(const Decoder *m) {
  * prefetches fill the line buffers that the projection's weights need. */
 #define PREFETCH_KEYS 512
 
-static inline int64_t key_parts(int64_t n) {
-    const int64_t p = (n + PART_KEYS - 1) / PART_KEYS;
-    return p < 1 ? 1 : p > MAX_PARTS ? MAX_PARTS : p;
-}
-
-/* Keys in each of the `parts` parts of n keys (a multiple of 32; the last part has the rest, never none). */
-static inline int64_t part_keys(int64_t n, int64_t parts) { return ((n + parts - 1) / parts + 31) / 32 * 32; }
-
-/* out[h] for heads h < heads from the results of `parts` parts of their keys (part c: parts + c part_stride,
- * heads dim apart, each normalised by its own sum; its maximum and sum at stats + c stats_stride + 2 h), in
- * part order. */
-static void merge_parts(const float *parts, int64_t part_stride, const float *stats, int64_t stats_stride, int64_t count,
-                        int64_t heads, int64_t dim, float *out) {
-    for (int64_t h = 0; h < heads; h++) {
-        float most = -INFINITY, weight[MAX_PARTS], sum = 0.0f;
-        for (int64_t c = 0; c < count; c++) most = fmaxf(most, stats[c * stats_stride + 2 * h]);
-        for (int64_t c = 0; c < count; c++) {
-            weight[c] = expf(stats[c * stats_stride + 2 * h] - most) * stats[c * stats_stride + 2 * h + 1];
-            sum += weight[c];
-        }
-        for (int64_t i = 0; i < dim; i += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t c = 0; c < count; c++)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(weight[c] / sum), _mm256_loadu_ps(parts + c * part_stride + h * dim + i), acc);
-            _mm256_storeu_ps(out + h * dim + i, acc);
-        }
-    }
-}
+/* Floats of attend_run_rows' scratch. */
+static inline int64_t run_scratch_floats(int64_t dim) { return MAX_QUERIES * (KEY_TILE + 2 * dim + 4); }
 
 /* The sequence of token t and its keys' cache slots, in sequence order; returns how many. */
 static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *slots) {
@@ -817,7 +712,7 @@ static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a 
 
 /* Seconds each part of the forward took on thread 0, summed over calls while profiling is on
  * (decoder_profile): where a step's time goes (kernels/fused_decoder.py's `profile`). */
-enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE, PHASE_PACK, PHASE_ATTEND, PHASE_O, PHASE_MLP_IN, PHASE_GATE_UP, PHASE_SWIGLU,
+enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE, PHASE_ATTEND, PHASE_O, PHASE_MLP_IN, PHASE_GATE_UP, PHASE_SWIGLU,
        PHASE_DOWN, NUM_PHASES };
 static int profiling = 0;
 static double phase_seconds[NUM_PHASES];
@@ -839,90 +734,62 @@ int decoder_profile(int on, double *out) {
         mark = now;                                                                                          \
     }
 
-#define RUN_KEYS 64   /* a run's laid-out keys are padded to a multiple of this */
-#define PACK_KEYS 256 /* keys laid out per task */
+/* How many lead new tokens of sequence s attend as a run (the rest token by token): the same numbers either way
+ * (attend_tile), a run's rows sharing each block of keys they read. */
+static int64_t run_tokens(const Batch *b, int64_t s) { return b->runs ? b->runs[s] : 0; }
 
-static inline int64_t pad_keys(int64_t n) { return (n + RUN_KEYS - 1) / RUN_KEYS * RUN_KEYS; }
-
-/* Whether prompt runs attend through amx_attend_run (AMX, a bf16 or int8 cache) rather than avx2_attend_run. */
-static int amx_runs(const Decoder *m) { return amx_active() && (m->cache_bf16 || m->cache_int8) && m->head_dim % 32 == 0; }
-
-/* How many lead new tokens of sequence s attend as a run (the rest token by token, attend). */
-static int64_t run_tokens(const Decoder *m, const Batch *b, int64_t s) {
-    return b->runs && (amx_runs(m) || m->head_dim % 16 == 0) ? b->runs[s] : 0;
-}
-
-/* The runs of a batch: per run its sequence, laid-out keys (padded) and where its buffers start; per task
- * of laying out keys (run, KV head, first key) and of attending (run, query head, first new token). */
+/* The runs of a batch: per run its sequence and its keys' slots; per task of attending (run, KV head, first new
+ * token of its rows). */
 typedef struct {
-    int64_t num_runs, num_pack, num_attend;
-    int64_t *seq, *n_pad, *slot_at, *buf_at; /* [runs] */
-    int64_t *slots;                          /* every run's key slots in sequence order */
-    int64_t (*pack)[3], (*attend)[3];
-    void *kr, *vt;     /* per run and KV head: its keys and values laid out, n_pad * dim each (amx_pack_keys: bf16;
-                        * avx2_pack_keys: fp32) */
-    float *scores;     /* per thread: [2][RUN_CHUNK][16] (amx_attend_run's scratch; avx2_attend_run's, 16 * RUN_KEYS_AVX2) */
-    uint32_t *probs;   /* per thread: [RUN_CHUNK / 2][16] */
+    int64_t num_runs, num_attend, rows; /* rows: of a task (run_rows) */
+    int64_t *seq, *slot_at;             /* [runs] */
+    int64_t *slots;                     /* every run's key slots in sequence order */
+    int64_t (*attend)[3];
+    float *scratch; /* per thread: run_scratch_floats(head_dim) */
 } Runs;
 
 static void free_runs(Runs *r) {
     free(r->seq);
-    free(r->n_pad);
     free(r->slot_at);
-    free(r->buf_at);
     free(r->slots);
-    free(r->pack);
     free(r->attend);
-    free(r->kr);
-    free(r->vt);
-    free(r->scores);
-    free(r->probs);
+    free(r->scratch);
 }
 
-/* Lay out the batch's runs; returns 0, or -1 when out of memory. */
+/* Plan the batch's runs; returns 0, or -1 when out of memory. */
 static int plan_runs(const Decoder *m, const Batch *b, int threads, Runs *r) {
     memset(r, 0, sizeof *r);
-    const int64_t B = b->num_seqs, D = m->head_dim, bs = m->block_size, Hk = m->num_kv_heads;
-    int64_t runs = 0, keys = 0, padded = 0, pack = 0, attend = 0;
+    const int64_t B = b->num_seqs, bs = m->block_size, Hk = m->num_kv_heads;
+    const int64_t rows = run_rows(m->num_heads / Hk);
+    int64_t runs = 0, keys = 0, attend = 0;
     for (int64_t s = 0; s < B; s++)
-        if (run_tokens(m, b, s)) {
+        if (run_tokens(b, s)) {
             const int64_t num_new = b->query_start[s + 1] - b->query_start[s];
-            const int64_t n = b->seq_lens[s] - num_new + run_tokens(m, b, s), n_pad = pad_keys(n);
-            runs++, keys += n, padded += n_pad;
-            pack += Hk * ((n_pad + PACK_KEYS - 1) / PACK_KEYS);
-            attend += Hk * ((run_tokens(m, b, s) + 15) / 16);
+            runs++, keys += b->seq_lens[s] - num_new + run_tokens(b, s);
+            attend += Hk * ((run_tokens(b, s) + rows - 1) / rows);
         }
     if (runs == 0) return 0;
-    r->num_runs = runs, r->num_pack = pack, r->num_attend = attend;
-    r->seq = malloc(sizeof(int64_t) * runs), r->n_pad = malloc(sizeof(int64_t) * runs);
-    r->slot_at = malloc(sizeof(int64_t) * runs), r->buf_at = malloc(sizeof(int64_t) * runs);
-    r->slots = malloc(sizeof(int64_t) * keys);
-    r->pack = malloc(sizeof(int64_t[3]) * pack), r->attend = malloc(sizeof(int64_t[3]) * attend);
-    const size_t bytes = (amx_runs(m) ? 2 : 4) * (size_t)(padded * Hk * D); /* a multiple of 64 (n_pad of 64) */
-    r->kr = aligned_alloc(64, bytes), r->vt = aligned_alloc(64, bytes);
-    r->scores = aligned_alloc(64, sizeof(float) * 2 * 16 * RUN_CHUNK * (size_t)threads);
-    r->probs = aligned_alloc(64, sizeof(uint32_t) * 8 * RUN_CHUNK * (size_t)threads);
-    if (!r->seq || !r->n_pad || !r->slot_at || !r->buf_at || !r->slots || !r->pack || !r->attend || !r->kr || !r->vt ||
-        !r->scores || !r->probs)
-        return -1;
-    int64_t i = 0, at = 0, buf = 0, p = 0, a = 0;
+    r->num_runs = runs, r->num_attend = attend, r->rows = rows;
+    r->seq = malloc(sizeof(int64_t) * runs), r->slot_at = malloc(sizeof(int64_t) * runs);
+    r->slots = malloc(sizeof(int64_t) * keys), r->attend = malloc(sizeof(int64_t[3]) * attend);
+    r->scratch = aligned_alloc(64, sizeof(float) * run_scratch_floats(m->head_dim) * (size_t)threads);
+    if (!r->seq || !r->slot_at || !r->slots || !r->attend || !r->scratch) return -1;
+    int64_t i = 0, at = 0, a = 0;
     for (int64_t s = 0; s < B; s++) {
-        const int64_t in_run = run_tokens(m, b, s);
+        const int64_t in_run = run_tokens(b, s);
         if (!in_run) continue;
         const int64_t first = b->query_start[s], num_new = b->query_start[s + 1] - first;
-        const int64_t cached = b->seq_lens[s] - num_new, n = cached + in_run, n_pad = pad_keys(n);
+        const int64_t cached = b->seq_lens[s] - num_new;
         const int32_t *table = b->block_tables + s * b->table_stride;
-        r->seq[i] = s, r->n_pad[i] = n_pad, r->slot_at[i] = at, r->buf_at[i] = buf;
+        r->seq[i] = s, r->slot_at[i] = at;
         for (int64_t c = 0; c < cached; c++) r->slots[at + c] = (int64_t)table[c / bs] * bs + c % bs;
         for (int64_t j = 0; j < in_run; j++) r->slots[at + cached + j] = b->slots[first + j];
+        /* one KV head at a time (the team shares its keys in cache), the longest (latest) rows first: they would
+         * end the layer last */
         for (int64_t h = 0; h < Hk; h++)
-            for (int64_t k0 = 0; k0 < n_pad; k0 += PACK_KEYS) r->pack[p][0] = i, r->pack[p][1] = h, r->pack[p++][2] = k0;
-        /* one KV head at a time (the team shares its keys in cache), the longest (latest) tiles first: they
-         * would end the layer last */
-        for (int64_t h = 0; h < Hk; h++)
-            for (int64_t i0 = 0; i0 < in_run; i0 += 16)
-                r->attend[a][0] = i, r->attend[a][1] = h, r->attend[a++][2] = (in_run - 1) / 16 * 16 - i0;
-        at += n, buf += n_pad * Hk * D, i++;
+            for (int64_t i0 = 0; i0 < in_run; i0 += rows)
+                r->attend[a][0] = i, r->attend[a][1] = h, r->attend[a++][2] = (in_run - 1) / rows * rows - i0;
+        at += cached + in_run, i++;
     }
     return 0;
 }
@@ -998,15 +865,15 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     const int64_t q_width = m->num_heads * D, kv_width = m->num_kv_heads * D, qkv_width = q_width + 2 * kv_width;
     const int64_t widest = max3(H, q_width, I), group = m->num_heads / m->num_kv_heads;
     if (threads < 1) threads = 1;
-    /* tokens that attend one by one (decodes, trees, short runs): their keys' slots, per token */
+    /* tokens that attend one by one (decodes, trees, prompt tokens of no run): their keys' slots, per token */
     int64_t *key_row = malloc(sizeof(int64_t) * T), one_by_one = 0, most_keys = 1, most_parts = 0;
     if (key_row)
         for (int64_t s = 0; s < b->num_seqs; s++) {
-            const int64_t first = b->query_start[s], in_run = run_tokens(m, b, s);
+            const int64_t first = b->query_start[s], in_run = run_tokens(b, s);
             if (first + in_run < b->query_start[s + 1] && b->seq_lens[s] > most_keys) most_keys = b->seq_lens[s];
             for (int64_t t = first; t < b->query_start[s + 1]; t++) {
                 key_row[t] = t < first + in_run ? -1 : one_by_one++;
-                if (t >= first + in_run) most_parts += key_parts(b->seq_lens[s]); /* a token has at most seq_lens keys */
+                if (t >= first + in_run) most_parts += key_tiles(b->seq_lens[s]); /* a token has at most seq_lens keys */
             }
         }
     Runs runs;
@@ -1023,31 +890,27 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     Blocks a = {malloc(T * widest), malloc(sizeof(float) * T * widest / GROUP), malloc(sizeof(float) * T * widest / GROUP)};
     int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
     int64_t *key_counts = malloc(sizeof(int64_t) * T);
-    float *scores = malloc(sizeof(float) * threads * group * (most_keys + 8)); /* attend's [group, keys rounded up to 8] */
-    /* the parts of one-by-one tokens' keys (key_parts): per part its token, index, and, where a token has
-     * several, its results and softmax statistics until they are merged; per token its first part */
+    float *scores = malloc(sizeof(float) * threads * group * KEY_TILE); /* attend_tile's, per thread */
+    /* the tiles of one-by-one tokens' keys (key_tiles), each a task: per tile its token, index, and, where a token
+     * has several, its results and softmax statistics until they are folded; per token its first tile */
     int64_t num_parts = 0;
     const int64_t heads = m->num_heads, parts_size = most_parts ? most_parts : 1;
     int64_t *part_token = malloc(sizeof(int64_t) * parts_size), *part_index = malloc(sizeof(int64_t) * parts_size);
     int64_t *first_part = malloc(sizeof(int64_t) * (T + 1)); /* token t's parts: first_part[t] .. first_part[t + 1] */
     int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
-    /* heads_attend's per-thread scratch (amx_attend_heads's scores and probabilities) */
-    const int by_heads = one_by_one && heads_attend(m);
-    float *lay_st = aligned_alloc(64, by_heads ? sizeof(float) * (HEADS_PER_CALL + 1) * 16 * RUN_CHUNK * (size_t)threads : 64);
-    uint32_t *lay_pa = aligned_alloc(64, by_heads ? sizeof(uint32_t) * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK * (size_t)threads : 64);
-    /* KV heads per attention task: all of a token's (up to HEADS_PER_CALL), so that its keys' K rows stream in once
-     * for every head, where the parts alone keep the team busy; else one (set once the parts are known) */
+    /* KV heads per attention task: all of a tile's where the tiles alone keep the team busy (fewer tasks to hand
+     * out), else one (set once the tiles are known); a query's numbers are the same either way */
     int64_t head_group = 1, head_tasks = m->num_kv_heads;
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores || !lay_st || !lay_pa || !part_token || !part_index ||
-                       !first_part || !part_out || !part_stats || !prefetch;
+                       !key_counts || !scores || !part_token || !part_index || !first_part || !part_out || !part_stats ||
+                       !prefetch;
     int reduce_status = 0;
     int64_t late_rank = 0;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *my_scores = scores + omp_get_thread_num() * group * (most_keys + 8);
+            float *my_scores = scores + omp_get_thread_num() * group * KEY_TILE;
             double mark = omp_get_wtime();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
@@ -1057,17 +920,14 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 for (int64_t t = 0; t < T; t++) {
                     first_part[t] = num_parts;
                     if (key_row[t] < 0) continue;
-                    const int64_t parts = key_parts(key_counts[t]);
+                    const int64_t parts = key_tiles(key_counts[t]);
                     for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
                     if (b->parents[t] >= 0) continue; /* a tree node or chain token past the first: its sequence's keys are listed */
                     for (int64_t j = 0; j < key_counts[t] && num_prefetch < PREFETCH_KEYS; j++)
                         prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
                 }
                 first_part[T] = num_parts;
-                if (by_heads && num_parts >= 2 * threads) {
-                    head_group = m->num_kv_heads < HEADS_PER_CALL ? m->num_kv_heads : HEADS_PER_CALL;
-                    head_tasks = (m->num_kv_heads + head_group - 1) / head_group;
-                }
+                if (num_parts >= 8 * threads) head_group = m->num_kv_heads, head_tasks = 1;
             }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
@@ -1089,71 +949,47 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                 }
                 MARK(PHASE_ROPE)
                 if (runs.num_runs) {
-#pragma omp for schedule(dynamic, 1)
-                    for (int64_t task = 0; task < runs.num_pack; task++) { /* the runs' keys and values, laid out */
-                        const int64_t r = runs.pack[task][0], kvh = runs.pack[task][1], k0 = runs.pack[task][2];
-                        const int64_t n_pad = runs.n_pad[r], end = k0 + PACK_KEYS < n_pad ? k0 + PACK_KEYS : n_pad;
-                        const int64_t at = runs.buf_at[r] + kvh * n_pad * D;
-                        const int64_t s = runs.seq[r], keys = b->seq_lens[s] - (b->query_start[s + 1] - b->query_start[s]) + run_tokens(m, b, s);
-                        if (amx_runs(m)) {
-                            const KVRows kv = kv_rows(m, layer);
-                            amx_pack_keys(&kv, kvh, D, runs.slots + runs.slot_at[r], keys, (uint16_t *)runs.kr + at,
-                                          (uint16_t *)runs.vt + at, k0, end);
-                        } else {
-                            avx2_pack_keys(m, layer, kvh, runs.slots + runs.slot_at[r], keys, n_pad, (float *)runs.kr + at,
-                                           (float *)runs.vt + at, k0, end);
-                        }
-                    }
-                    MARK(PHASE_PACK)
 #pragma omp for schedule(dynamic, 1) nowait
                     for (int64_t task = 0; task < runs.num_attend; task++) {
                         const int64_t r = runs.attend[task][0], kvh = runs.attend[task][1], i0 = runs.attend[task][2];
-                        const int64_t s = runs.seq[r], first = b->query_start[s], in_run = run_tokens(m, b, s);
+                        const int64_t s = runs.seq[r], first = b->query_start[s], in_run = run_tokens(b, s);
                         const int64_t num_new = b->query_start[s + 1] - first;
-                        const int64_t n_pad = runs.n_pad[r], at = runs.buf_at[r] + kvh * n_pad * D;
-                        const int64_t t = first + i0, rows = in_run - i0 < 16 ? in_run - i0 : 16;
-                        const int64_t limit = b->seq_lens[s] - num_new + i0 + 1;
-                        float *scratch = runs.scores + omp_get_thread_num() * 2 * 16 * RUN_CHUNK;
-                        for (int64_t head = kvh * group; head < (kvh + 1) * group; head++) { /* one KV head's keys stay in cache */
-                            const float *q = wide + t * qkv_width + head * D;
-                            float *out = act + t * q_width + head * D;
-                            if (amx_runs(m))
-                                amx_attend_run(q, qkv_width, rows, limit, (uint16_t *)runs.kr + at, (uint16_t *)runs.vt + at, D,
-                                               m->scale, out, q_width, scratch, runs.probs + omp_get_thread_num() * 8 * RUN_CHUNK);
-                            else
-                                avx2_attend_run(q, qkv_width, rows, limit, (float *)runs.kr + at, (float *)runs.vt + at, n_pad,
-                                                D, m->scale, out, q_width, scratch);
-                        }
+                        const int64_t t = first + i0, rows = in_run - i0 < runs.rows ? in_run - i0 : runs.rows;
+                        const int64_t limit = b->seq_lens[s] - num_new + i0 + 1, at = kvh * group * D;
+                        attend_run_rows(wide + t * qkv_width + at, qkv_width, rows, limit, group, m, layer, kvh,
+                                        runs.slots + runs.slot_at[r], act + t * q_width + at, q_width,
+                                        runs.scratch + omp_get_thread_num() * run_scratch_floats(D));
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
                 for (int64_t task = 0; task < num_parts * head_tasks; task++) {
-                    const int64_t j = task / head_tasks, kv_head = task % head_tasks * head_group, t = part_token[j];
-                    const int64_t parts = key_parts(key_counts[t]), size = part_keys(key_counts[t], parts);
-                    const int64_t k0 = part_index[j] * size, n = (k0 + size < key_counts[t] ? k0 + size : key_counts[t]) - k0;
+                    const int64_t j = task / head_tasks, t = part_token[j], tiles = key_tiles(key_counts[t]);
+                    const int64_t k0 = part_index[j] * KEY_TILE, n = key_counts[t] - k0 < KEY_TILE ? key_counts[t] - k0 : KEY_TILE;
                     const int64_t *slots = key_slots + key_row[t] * most_keys + k0;
-                    const int64_t at = kv_head * group * D; /* the KV head's first query head, in q and out */
-                    float *out = parts == 1 ? act + t * q_width + at : part_out + j * q_width + at;
-                    float *stats = parts == 1 ? NULL : part_stats + (j * heads + kv_head * group) * 2;
-                    if (by_heads) {
-                        const int me = omp_get_thread_num();
-                        const KVRows kv = kv_rows(m, layer);
-                        const int64_t kv_heads = m->num_kv_heads - kv_head < head_group ? m->num_kv_heads - kv_head : head_group;
-                        amx_attend_heads(wide + t * qkv_width + at, D, group, n, &kv, kv_head, kv_heads, slots, D, m->scale,
-                                         out, D, lay_st + me * (HEADS_PER_CALL + 1) * 16 * RUN_CHUNK,
-                                         lay_pa + me * HEADS_PER_CALL * 2 * 16 * RUN_CHUNK, stats);
-                        continue;
+                    for (int64_t kv_head = task % head_tasks * head_group; kv_head < (task % head_tasks + 1) * head_group; kv_head++) {
+                        const int64_t at = kv_head * group * D; /* the KV head's first query head, in q and out */
+                        float own[32]; /* a one-tile token's statistics (group <= 16) */
+                        float *out = tiles == 1 ? act + t * q_width + at : part_out + j * q_width + at;
+                        float *stats = tiles == 1 ? own : part_stats + (j * heads + kv_head * group) * 2;
+                        attend_tile(wide + t * qkv_width + at, 0, 1, group, n, m, layer, kv_head, slots, n, out, 0, stats, my_scores);
+                        if (tiles == 1)
+                            for (int64_t h = 0; h < group; h++) finish_query(out + h * D, stats[2 * h + 1], D, out + h * D);
                     }
-                    attend(wide + t * qkv_width + at, group, m, layer, kv_head, slots, n, my_scores, out, stats);
                 }
-                if (num_parts > one_by_one) { /* some token's keys went in several parts */
+                if (num_parts > one_by_one) { /* some token's keys went in several tiles: fold them in key order */
 #pragma omp for schedule(static)
                     for (int64_t task = 0; task < T * m->num_kv_heads; task++) {
                         const int64_t t = task / m->num_kv_heads, kv_head = task % m->num_kv_heads;
-                        const int64_t j = first_part[t], count = first_part[t + 1] - j, at = kv_head * group * D;
+                        const int64_t j = first_part[t], count = first_part[t + 1] - j;
                         if (count < 2) continue;
-                        merge_parts(part_out + j * q_width + at, q_width, part_stats + (j * heads + kv_head * group) * 2,
-                                    heads * 2, count, group, D, act + t * q_width + at);
+                        for (int64_t head = kv_head * group; head < (kv_head + 1) * group; head++) {
+                            float *acc = part_out + j * q_width + head * D, most = 0.0f, total = 0.0f;
+                            for (int64_t c = 0; c < count; c++) {
+                                const float *stats = part_stats + ((j + c) * heads + head) * 2;
+                                fold_tile(acc, &most, &total, part_out + (j + c) * q_width + head * D, stats[0], stats[1], c == 0, D);
+                            }
+                            finish_query(acc, total, D, act + t * q_width + head * D);
+                        }
                     }
                 }
                 MARK(PHASE_ATTEND)
@@ -1211,8 +1047,6 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(part_out);
     free(part_stats);
     free(prefetch);
-    free(lay_st);
-    free(lay_pa);
     if (reduce_status) b->bad = late_rank;
     return failed ? -1 : reduce_status;
 }

@@ -173,7 +173,6 @@ void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int
                  const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0, int64_t b1);
 
 /* amx.c: the AMX kernels (see there); amx_active() says whether amx_configure turned them on. */
-#define RUN_CHUNK 512 /* keys amx_attend_run scores at a time (its scratch: st [2][RUN_CHUNK][16], pt [RUN_CHUNK / 2][16]) */
 int amx_configure(int want);
 int amx_active(void);
 void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
@@ -186,22 +185,4 @@ void amx_bf16_blocks(const uint16_t *wb, int64_t n, int64_t k, const uint16_t *x
                      int64_t b0, int64_t b1);
 void amx_bf16_swiglu_blocks(const uint16_t *wb, int64_t k, const uint16_t *x, int64_t r0, int64_t r1, int64_t inter,
                             int64_t p0, int64_t p1, uint16_t *xo);
-/* One layer's K and V cache as the attention kernels read it: per slot `row` values (kv_heads x head_dim), bf16, or
- * int8 codes with one bf16 scale per 32 values (a value is code * scale) where k_scale is not NULL. */
-typedef struct {
-    const void *k, *v;
-    const uint16_t *k_scale, *v_scale; /* [slots, kv_heads, head_dim / 32] bf16, or NULL for a bf16 cache */
-    int64_t row, kv_heads;
-} KVRows;
-
-void amx_pack_keys(const KVRows *kv, int64_t kv_head, int64_t dim, const int64_t *slots, int64_t n, uint16_t *kr,
-                   uint16_t *vt, int64_t k0, int64_t k1);
-void amx_attend_run(const float *q, int64_t q_stride, int64_t rows, int64_t limit, const uint16_t *kr,
-                    const uint16_t *vt, int64_t dim, float scale, float *out, int64_t out_stride, float *st,
-                    uint32_t *pt);
-#define HEADS_PER_CALL 4 /* KV heads one amx_attend_heads call takes at most */
-void amx_attend_heads(const float *q, int64_t q_stride, int64_t rows, int64_t n, const KVRows *kv, int64_t h0,
-                      int64_t heads, const int64_t *slots, int64_t dim, float scale, float *out, int64_t out_stride,
-                      float *st, uint32_t *pa, float *stats);
-
 #endif

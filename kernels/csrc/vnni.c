@@ -22,10 +22,12 @@
  * vpmaddubsw multiplies 4 inputs of 8 rows with 4 broadcast activations into pairs of int16 sums. A 4-bit group's
  * 16 such products add up in int16 without overflow (|sum| <= 32 * 15 * 127 < 32767), so they take one vpmaddwd
  * per group; every float operation is vnni.c's, so 4-bit products are the same numbers on both kinds of CPU. An
- * 8-bit weight's codes are taken back to signed q (|q| <= 127 keeps each pair within int16) and the group's sum is
- * q . x, so there its products differ from VNNI's (q + 128) . x - 128 d . sx in rounding only.
+ * 8-bit weight's codes are taken back to signed q (|q| <= 127 keeps each pair within int16), and the group's sum
+ * q . x plus 128 times the activations' integer sum is VNNI's (q + 128) . x exactly: then scaled with VNNI's float
+ * operations, 8-bit products are the same numbers on both kinds too. A replica's answers do not depend on its CPU.
  */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "integer_dot.h"
 
@@ -110,7 +112,7 @@ VNNI void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m
 /* Half h (output rows 8 h .. 8 h + 7) of one block against R activation rows (R a constant at each call). */
 static inline __attribute__((always_inline)) void half_rows(
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t groups, const int8_t *xq,
-    const float *dx, const float *sx, int64_t k, int R, int h, float *out, int64_t out_stride) {
+    const float *dx, const float *sx, const int32_t *xsum, int64_t k, int R, int h, float *out, int64_t out_stride) {
     __m256 acc[AVX2_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
@@ -146,13 +148,15 @@ static inline __attribute__((always_inline)) void half_rows(
                     dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
                 }
             }
+            for (int r = 0; r < R; r++) /* (q + 128) . x, as vpdpbusd sums it */
+                dots[r] = _mm256_add_epi32(dots[r], _mm256_set1_epi32(128 * xsum[r * groups + g]));
         }
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * 16 + 8 * h)));
         const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g * 16 + 8 * h)));
         for (int r = 0; r < R; r++) {
             const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * groups + g]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), s, acc[r]);
-            if (bits == 4) acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(sx[r * groups + g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(sx[r * groups + g]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + r * out_stride + 8 * h, acc[r]);
@@ -171,20 +175,33 @@ static void avx2_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t 
                         const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
                         int64_t b1) {
     const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8;
+    int32_t *xsum = NULL; /* an 8-bit weight's: each activation group's integer sum */
+    if (bits == 8) {
+        xsum = malloc(sizeof(int32_t) * (size_t)(rows * groups));
+        if (!xsum) abort(); /* a few KiB: only a machine out of memory gets here */
+        for (int64_t i = 0; i < rows * groups; i++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < GROUP; j++) sum += xq[i * GROUP + j];
+            xsum[i] = sum;
+        }
+    }
     for (int64_t b = b0; b < b1; b++) {
         for (int64_t r0 = 0; r0 < rows; r0 += AVX2_ROWS) {
             const int R = rows - r0 < AVX2_ROWS ? (int)(rows - r0) : AVX2_ROWS;
             for (int h = 0; h < 2; h++) {
 #define HALF(C) half_rows(codes + b * block_bytes, d + b * groups * 16, m + b * groups * 16, bits, groups, xq + r0 * k, \
-                          dx + r0 * groups, sx + r0 * groups, k, C, h, out + r0 * n + 16 * b, n)
+                          dx + r0 * groups, sx + r0 * groups, xsum ? xsum + r0 * groups : NULL, k, C, h, out + r0 * n + 16 * b, n)
                 AVX2_TILE(HALF)
 #undef HALF
             }
         }
     }
+    free(xsum);
 }
 
-/* Whether this CPU runs the VNNI kernels (cached after the first call). */
+static int vnni_off = 0; /* vnni_configure(0): the AVX2 kernels even where VNNI runs (the same numbers) */
+
+/* Whether this CPU runs the VNNI kernels (cached after the first call), unless turned off. */
 int vnni_supported(void) {
     static int known = -1;
     if (known < 0) {
@@ -192,7 +209,13 @@ int vnni_supported(void) {
         known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vnni");
     }
-    return known;
+    return known && !vnni_off;
+}
+
+/* Use the VNNI kernels where the CPU has them (want != 0) or the AVX2 ones; returns whether VNNI now runs. */
+int vnni_configure(int want) {
+    vnni_off = !want;
+    return vnni_supported();
 }
 
 void interleaved_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,

@@ -43,16 +43,16 @@ def test_greedy_requests_answer_as_with_one_step_a_call_in_fewer_steps(engines):
     one, four = engines
     batch = [
         (CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=7)),
-        (CHAT_PROMPTS[1], SamplingParams(temperature=0, max_tokens=64)),
+        (CHAT_PROMPTS[1], SamplingParams(temperature=0, max_tokens=64, stop=["power"])),
         (CHAT_PROMPTS[2], SamplingParams(temperature=0, max_tokens=41)),
-        (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=64, stop=["sunlight"])),
+        (CHAT_PROMPTS[3], SamplingParams(temperature=0, max_tokens=128)),
     ]
     want, got = run(one, batch), run(four, batch)
     assert answers(got) == answers(want)
     reasons = [r.finish_reason.value for r in want]
     assert reasons == ["length", "stop", "length", "stop"]
-    assert want[1].output_token_ids[-1] in one.tokenizer.stop_token_ids
-    assert "sunlight" not in want[3].output_text and len(want[3].output_token_ids) < 64
+    assert want[3].output_token_ids[-1] in one.tokenizer.stop_token_ids and len(want[3].output_token_ids) < 128
+    assert "power" not in want[1].output_text and len(want[1].output_token_ids) < 64
     for w in want:
         assert w.num_forwards >= len(w.output_token_ids)  # one token a step (the prompt's step gives the first)
     assert len(got[2].output_token_ids) == 41 and got[2].num_forwards <= 2 + 41 // 4 + 3

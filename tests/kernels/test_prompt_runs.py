@@ -1,7 +1,7 @@
-"""Prompt runs without AMX (kernels/csrc/decoder.c's avx2_attend_run, the path of AVX2 CPUs): a prompt's tokens
+"""Prompt runs (kernels/csrc/decoder.c's attend_run_rows) with AMX off, the path of CPUs without it: a prompt's tokens
 attend as runs whose results do not depend on how the prompt is cut into chunks or on what else is in the batch,
-at least as accurately as the eager layers, in an fp32, bf16 or int8 cache. Runs on any CPU with the integer-dot
-kernels (AMX turned off where there is one)."""
+equal decoding the same tokens one by one, and are at least as accurate as the eager layers, in an fp32, bf16 or
+int8 cache."""
 
 from __future__ import annotations
 
@@ -48,6 +48,26 @@ def test_a_prompt_reads_the_same_however_it_is_cut_into_chunks(cuts, cache_dtype
     whole, parts = read_whole_and_in_cuts(model, kv, x, cuts)
     assert torch.equal(parts, whole)
     a, b = slots_of(kv, "whole", n), slots_of(kv, "cut", n)
+    assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("cached", [0, 150])
+def test_a_prompt_read_as_a_run_equals_its_tokens_decoded_one_by_one(cached, cache_dtype):
+    """A prompt of 300 tokens (over 150 cached ones or none: keys across several tiles) read in one call, its rows
+    sharing each block of keys, gives every token the output and K/V that decoding the same tokens one at a time
+    gives, bit for bit: a resumed request, which re-reads its generated tokens as prompt, continues as it was."""
+    model = model64(6)
+    kv = cache(128, cache_dtype)
+    x = torch.randn(cached + 300, HIDDEN)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    for seq in ("run", "one"):
+        if cached:
+            read(decoder, kv, seq, x[:cached], 0, cached)
+    run = read(decoder, kv, "run", x[cached:], cached, 300)
+    one = torch.cat([read(decoder, kv, "one", x[i : i + 1], i, 0) for i in range(cached, cached + 300)])
+    assert torch.equal(run, one)
+    a, b = slots_of(kv, "run", cached + 300), slots_of(kv, "one", cached + 300)
     assert torch.equal(kv.k[:, a], kv.k[:, b]) and torch.equal(kv.v[:, a], kv.v[:, b])
 
 
