@@ -5,11 +5,11 @@ It runs `--concurrency` closed-loop streams of held-out prompts for `--duration-
 server (greedy, and a `--seeded-share` of them sampled with a seed), kills an LLM replica's process at
 each `--kill-at` second, or as soon after as the server is healthy again (`--kill rank`: the
 tensor-parallel rank 1 of a replica instead; it joins the server's Ray cluster to do so), waits for the
-server to be healthy again, then sends every completed request once more without disturbance. It reports
-the requests sent, completed, failed (by kind) and resumed (the server's `lyanna_resumptions_total`),
-how many answers equal the undisturbed ones, and the extra latency of the requests that were in flight
-at a kill (p50/p99 over their undisturbed latency). Its last line is the JSON summary; it exits 1 if a
-request failed or an answer differed.
+server to be healthy again, then sends every completed request once more, alone (one at a time; `--calm-concurrency`
+for more), with the same body. It reports the requests sent, completed, failed (by kind) and resumed (the server's
+`lyanna_resumptions_total`), how many answers equal the same request re-sent alone (all, and those in flight at a
+kill), and the extra latency of the requests that were in flight at a kill (p50/p99 over their latency alone).
+Its last line is the JSON summary; it exits 1 if a request failed or an answer differed.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class ChaosConfig:
     seeded_share: float = 0.5  # of requests sampled (temperature 0.8) with a seed; the rest greedy
     seed: int = 0
     ray_address: str = "auto"
+    calm_concurrency: int = 1  # requests at once when they are re-sent afterwards (1: each alone)
     recover_timeout_s: float = 240.0
     request_timeout_s: float = 300.0
 
@@ -106,9 +107,10 @@ async def healthy(client: httpx.AsyncClient, url: str, timeout_s: float) -> bool
 
 
 async def closed_loop(
-    client: httpx.AsyncClient, cfg: ChaosConfig, todo: list[tuple[int, ChatJob]], until: float | None
-) -> dict[int, RequestResult]:
-    """`cfg.concurrency` streams working through `todo` (until the clock passes `until`, if given)."""
+    client: httpx.AsyncClient, cfg: ChaosConfig, todo: list[tuple[int, ChatJob]], until: float | None,
+    concurrency: int,
+) -> dict[int, RequestResult]:  # fmt: skip
+    """`concurrency` streams working through `todo` (until the clock passes `until`, if given)."""
     queue = list(reversed(todo))
     results: dict[int, RequestResult] = {}
     t0 = time.perf_counter()
@@ -118,7 +120,7 @@ async def closed_loop(
             i, job = queue.pop()
             results[i] = await run_chat(client, cfg.url, cfg.model, job, t0)
 
-    await asyncio.gather(*(stream() for _ in range(cfg.concurrency)))
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
     return results
 
 
@@ -150,22 +152,21 @@ async def run_chaos(cfg: ChaosConfig, kill=kill_one) -> dict[str, Any]:
                 kills.append((time.perf_counter() - start, name))
 
         killing = asyncio.create_task(killer())
-        chaos = await closed_loop(client, cfg, all_jobs, until=start + cfg.duration_s)
+        chaos = await closed_loop(client, cfg, all_jobs, start + cfg.duration_s, cfg.concurrency)
         await killing
         duration = time.perf_counter() - start
         recovered = await healthy(client, cfg.url, cfg.recover_timeout_s)
         resumed = await resumptions(client, cfg.url) - before
         done = [(i, job) for i, job in all_jobs if i in chaos and chaos[i].ok]
-        calm = await closed_loop(client, cfg, done, until=None)
+        calm = await closed_loop(client, cfg, done, None, cfg.calm_concurrency)
     failed = [r for r in chaos.values() if not r.ok]
     same = [i for i, _ in done if calm[i].ok and calm[i].text == chaos[i].text]
     differing = [i for i, _ in done if calm[i].ok and calm[i].text != chaos[i].text]
     # in flight at a kill: started before it, finished after it (their start is relative to the pass's start)
-    hit = [
-        chaos[i].e2e - calm[i].e2e
-        for i, _ in done
-        if calm[i].ok and any(chaos[i].start < at < chaos[i].start + chaos[i].e2e for at, _ in kills)
+    in_flight = [
+        i for i, _ in done if calm[i].ok and any(chaos[i].start < at < chaos[i].start + chaos[i].e2e for at, _ in kills)
     ]
+    hit = [chaos[i].e2e - calm[i].e2e for i in in_flight]
     return {
         "config": cfg.__dict__,
         "duration_s": duration,
@@ -180,6 +181,7 @@ async def run_chaos(cfg: ChaosConfig, kill=kill_one) -> dict[str, Any]:
         "identical": len(same),
         "differing_jobs": differing[:10],
         "in_flight_at_kills": len(hit),
+        "in_flight_identical": sum(calm[i].text == chaos[i].text for i in in_flight),
         "extra_latency_s": percentiles(hit),
     }
 
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     ap.add_argument("--seeded-share", type=float, default=defaults.seeded_share)
     ap.add_argument("--seed", type=int, default=defaults.seed)
+    ap.add_argument("--calm-concurrency", type=int, default=defaults.calm_concurrency,
+                    help="requests at once when every completed one is re-sent afterwards (1: each alone)")  # fmt: skip
     ap.add_argument("--ray-address", default=defaults.ray_address, help="the server's Ray cluster")
     args = ap.parse_args(argv)
     cfg = ChaosConfig(
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         seeded_share=args.seeded_share,
         seed=args.seed,
+        calm_concurrency=args.calm_concurrency,
         ray_address=args.ray_address,
     )
     import ray
@@ -224,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     s = summary
     print(
         f"sent {s['sent']}, completed {s['completed']}, failed {s['failed']} {s['error_kinds'] or ''}, "
-        f"resumed {s['resumed']:.0f}; answers identical to the undisturbed run: {s['identical']}/{s['compared']}; "
-        f"{s['in_flight_at_kills']} in flight at a kill, extra latency p50 {s['extra_latency_s']['p50']} s, "
+        f"resumed {s['resumed']:.0f}; answers identical to the same request re-sent alone: {s['identical']}/"
+        f"{s['compared']}; {s['in_flight_at_kills']} in flight at a kill ({s['in_flight_identical']} identical), "
+        f"extra latency p50 {s['extra_latency_s']['p50']} s, "
         f"p99 {s['extra_latency_s']['p99']} s",
         file=sys.stderr,
     )

@@ -206,8 +206,9 @@ def test_multiturn_run_reports_ttft_by_turn_and_the_prefix_cache_hit_rate(base_u
 @pytest.mark.slow
 def test_a_chaos_run_kills_the_replica_and_clients_lose_nothing(base_url):
     """`loadtest.chaos` against the live server: its only LLM replica is killed 5 s in; every request
-    completes (resumed on the replacement), and every greedy and seeded answer equals the undisturbed
-    run's. The last test of this module: it leaves the replica replaced."""
+    completes (resumed on the replacement), and every greedy and seeded answer, those in flight at the kill
+    among them, equals the same request re-sent alone afterwards. The last test of this module: it leaves the
+    replica replaced."""
     cfg = ChaosConfig(
         url=base_url,
         app="llm",
@@ -225,4 +226,5 @@ def test_a_chaos_run_kills_the_replica_and_clients_lose_nothing(base_url):
     assert s["recovered"] and s["failed"] == 0 and s["sent"] == s["completed"] >= 4, s["error_examples"]
     assert s["resumed"] >= 1 and s["in_flight_at_kills"] >= 1
     assert s["compared"] == s["completed"] and s["identical"] == s["compared"], s["differing_jobs"]
+    assert s["in_flight_identical"] == s["in_flight_at_kills"]
     assert {j.seed is None for j in jobs(cfg)[: s["sent"]]} == {True, False}  # greedy and seeded among them
