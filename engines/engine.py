@@ -34,7 +34,7 @@ from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels import fused_decoder
-from kernels.dispatch import set_kernel_mode
+from kernels.dispatch import set_deterministic, set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class LLMEngine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         set_kernel_mode(config.kernels)
+        set_deterministic(config.deterministic)
         if config.device.startswith("cuda"):
             # cuDNN's attention builds an execution plan for every new shape (about 50 ms each on an H200);
             # the drafters' attention changes shape every step, so flash / memory-efficient kernels serve it
@@ -168,7 +169,14 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, graphs)
         else:
             compute_fp32 = self.model.compute_dtype == torch.float32 and self.model.dtype != torch.float32
-            spec = CacheSpec(num_blocks, config.block_size, str(dtype).removeprefix("torch."), compute_fp32, fused_only)
+            spec = CacheSpec(
+                num_blocks,
+                config.block_size,
+                str(dtype).removeprefix("torch."),
+                compute_fp32,
+                fused_only,
+                config.deterministic,
+            )
             self.workers.start(spec, config.max_num_seqs, config.kernels)
             self.runner = ParallelModelRunner(self.model, self.kv_cache, self.device, config.max_num_seqs, self.workers)
         self.requests: dict[str, Request] = {}

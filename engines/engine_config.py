@@ -112,6 +112,11 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="The target's eager layers at every step (no fused CPU decoder, no CUDA graphs)"
     )
+    deterministic: bool = Field(
+        False,
+        description="Where Triton kernels run (CUDA): batch-invariant products, norms and attention tiles, so an "
+        "answer does not depend on what shares its steps (slower). The fused CPU decoder computes so always",
+    )
 
     @field_validator("dtype")
     @classmethod

@@ -27,6 +27,7 @@ from engines.parallel import (
     balanced_shares,
 )
 from kernels import fused_decoder, onednn_linear
+from kernels.dispatch import deterministic, use_triton
 from kernels.quantized_linear import (
     GROUP_SIZE,
     Int4Codes,
@@ -51,6 +52,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if deterministic() and use_triton(x):
+            from kernels.batch_invariant import rms_norm  # (triton: the gpu extra)
+
+            return rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -247,6 +252,10 @@ class LlamaModel(nn.Module):
             return self.lm_head_quant.matmul(hidden, torch.float32)  # each row's logits whatever the rows
         if self.lm_head_exact is not None:
             return F.linear(hidden.float(), self.lm_head_exact)
+        if deterministic() and use_triton(hidden):
+            from kernels.batch_invariant import linear  # (triton: the gpu extra)
+
+            return linear(hidden, self.lm_head_weight).float()
         return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
 
     def prepack(self) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from engines.kv_cache import cpu_has_half_precision_math
 from kernels import onednn_linear
+from kernels.dispatch import deterministic, use_triton
 from kernels.quantized_linear import (
     ACTIVATION_DTYPE,
     Int4Codes,
@@ -145,6 +146,10 @@ class PackableLinear(nn.Module):
             if self.wide is not None and x.shape[0] >= self.quant.wide_min_rows:
                 return torch.nn.functional.linear(x.float(), self.wide)
             return self.quant.matmul(x)
+        if deterministic() and use_triton(x):
+            from kernels.batch_invariant import linear  # (triton: the gpu extra)
+
+            return linear(x, self.weight)
         return onednn_linear.linear(x, self.weight, self.packed, self.wide)
 
 

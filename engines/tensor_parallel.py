@@ -37,7 +37,7 @@ from engines.parallel import TensorParallel
 from engines.shm_all_reduce import SharedMemoryAllReduce
 from engines.shm_channel import SharedMemoryChannel
 from engines.step_plan import StepPlan
-from kernels.dispatch import set_kernel_mode
+from kernels.dispatch import set_deterministic, set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class CacheSpec:
     dtype: str
     compute_fp32: bool  # the residual stream and norms in fp32 (CPUs without bf16 arithmetic)
     drop_layer_copies: bool = False  # the fused decoder takes every step: release the layers' fp32 weight copies
+    deterministic: bool = False  # batch-invariant Triton kernels (EngineConfig.deterministic)
 
 
 def connect(
@@ -183,6 +184,7 @@ class TensorParallelWorker:
 
     def _setup(self, spec: CacheSpec, max_num_seqs: int, kernels: str = "auto") -> None:
         set_kernel_mode(kernels)
+        set_deterministic(spec.deterministic)
         if spec.compute_fp32:
             self.model.compute_in(torch.float32)
         if spec.drop_layer_copies:

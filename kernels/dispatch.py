@@ -50,6 +50,21 @@ def kernel_mode() -> str:
     return _mode
 
 
+_deterministic = False
+
+
+def set_deterministic(on: bool) -> None:
+    """Where the Triton kernels run, run the batch-invariant ones (kernels/batch_invariant.py) and attention in one
+    tile shape, so a row computes the same bits whatever shares its launch (`EngineConfig.deterministic`)."""
+    global _deterministic
+    _deterministic = on
+
+
+def deterministic() -> bool:
+    """Whether the batch-invariant kernels are on (`set_deterministic`)."""
+    return _deterministic
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the hot path over `tensor` runs the Triton kernel (else the PyTorch reference)."""
     if _mode == "torch":

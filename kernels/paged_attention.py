@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting, next_power_of_2
+from kernels.dispatch import deterministic, interpreting, next_power_of_2
 
 BLOCK_N = 32  # keys per iteration
 MAX_BLOCK_M = 64  # (new token, query head) rows per program
@@ -140,6 +140,8 @@ def triton_paged_attention(
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     block_m = min(MAX_BLOCK_M, next_power_of_2(max(16, meta.max_query_len * group)))
+    if deterministic():  # one tile shape whatever the step: a row's products do not depend on its step's longest query
+        block_m = MAX_BLOCK_M
     block_m = max(block_m, next_power_of_2(group))
     block_q = block_m // group
     has_trees = meta.tree_masks is not None
