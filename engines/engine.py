@@ -381,6 +381,7 @@ class LLMEngine:
         """Run one step: schedule, execute (draft, forward, verify or sample, KV commit), update the
         requests (append tokens, stop checks, deltas). Returns a delta per request that emitted tokens."""
         start = time.perf_counter()
+        set_deterministic(self.config.deterministic)  # (a process-wide switch: engines of one process may differ)
         try:
             sched = self.scheduler.schedule()
             if not sched.scheduled:

@@ -4,17 +4,19 @@
 #  2. bf16: the benchmark table (plain, Lyanna, EAGLE) at batch 1 and 16.
 #  3. bf16, temperature 1: the same configurations sampled at batch 16.
 #  4. the Triton kernels against their references, and their timings (python -m kernels.bench).
+#  5. bf16, deterministic mode: its cost against the default at batch 1 and 16, and its outputs equal to plain
+#     decoding's with Lyanna speculating (identical_to_none == 1.0 in bf16).
 # Every stage runs even when an earlier one failed; the exit status says whether all passed.
 # Settings (environment): DEVICE (cuda), OUT (/tmp/gpu-smoke), PROMPTS (a prompts file; made from ShareGPT's
 # held-out side when unset), EQ_PROMPTS/EQ_TOKENS (8/64), B1_PROMPTS (8), B16_PROMPTS (32), TOKENS (128),
-# STAGES (equality,bench,sampled,kernels), BENCH_ARGS (more engines.bench flags).
+# STAGES (equality,bench,sampled,kernels,deterministic), BENCH_ARGS (more engines.bench flags).
 # A dry run on CPU: DEVICE=cpu EQ_PROMPTS=2 EQ_TOKENS=8 B1_PROMPTS=1 B16_PROMPTS=2 TOKENS=8 bash scripts/gpu_smoke.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-/tmp/gpu-smoke}
-STAGES=${STAGES:-equality,bench,sampled,kernels}
+STAGES=${STAGES:-equality,bench,sampled,kernels,deterministic}
 mkdir -p "$OUT"
 failed=()
 stage() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -67,6 +69,28 @@ if stage kernels; then
   run kernel-tests $PY -m pytest -q -p no:cacheprovider tests/kernels
   run kernel-bench $PY -m kernels.bench --device "$DEVICE" --dtype bfloat16
   tail -1 "$OUT/kernel-bench.log"
+fi
+
+# 5. The deterministic mode (batch-invariant kernels): what it costs, and that bf16 outputs no longer depend on the batch.
+if stage deterministic; then
+  for b in 1 16; do
+    n=${B16_PROMPTS:-32}; [[ $b == 1 ]] && n=${B1_PROMPTS:-8}
+    run "deterministic-b$b" "${BENCH[@]}" --dtype bfloat16 --num-prompts "$n" --max-new-tokens "${TOKENS:-128}" \
+      --batch-size $b --compare none,none+deterministic,lyanna,lyanna+deterministic
+    $PY -c "import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); c=r['configs']; \
+print('batch', r['batch_size'], {n: round(v['tokens_per_s'], 1) for n, v in c.items()}, 'cost', \
+round(c['none+deterministic']['tokens_per_s'] / c['none']['tokens_per_s'], 3))" "$OUT/deterministic-b$b.log" \
+      || failed+=("deterministic-b$b-table")
+  done
+  run deterministic-equality "${BENCH[@]}" --dtype bfloat16 --deterministic --num-prompts "${B16_PROMPTS:-32}" \
+    --max-new-tokens "${TOKENS:-128}" --batch-size 16 --compare none,lyanna,eagle
+  $PY - "$OUT/deterministic-equality.log" <<'PYEOF' || failed+=(deterministic-equality-check)
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+bad = {n: c["identical_to_none"] for n, c in r["configs"].items() if n != "none" and c["identical_to_none"] != 1.0}
+print("bf16 deterministic equality on", r["device"], ":", "OK" if not bad else f"FAILED {bad}")
+sys.exit(1 if bad else 0)
+PYEOF
 fi
 
 if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi

@@ -31,7 +31,8 @@ of every ratio (`repeats`). Prefix caching is off unless `--prefix-caching`: war
 the same prompts, which would otherwise skip their prefill. `NAME+QUANT` runs a configuration with other
 target weights (`none+int8`, `lyanna+none`), and `NAME+eager` on the model's eager layers
 (`enforce_eager`: no fused CPU decoder), e.g. `none+eager`, and `NAME+kv-int8` over an int8 KV cache
-(`kv_cache_dtype: int8`; `--llamacpp-kv-type q8_0` gives llama.cpp its 8-bit cache), and `NAME+steps1`
+(`kv_cache_dtype: int8`; `--llamacpp-kv-type q8_0` gives llama.cpp its 8-bit cache), `NAME+deterministic` with
+the batch-invariant kernels where Triton runs (`deterministic: true`: its cost on CUDA), and `NAME+steps1`
 with one decode step per engine step (`multi_step: 1`; greedy decodes otherwise take up to `--multi-step` a
 call). `NAME#TAG` runs a configuration again on another engine of the same settings: `none,none#2` shows how
 far two identical engines differ on this machine (the noise floor of every ratio). The last line of stdout
@@ -161,6 +162,7 @@ ENGINE_FLAGS = (
     "quantization",
     "kv_cache_dtype",
     "enforce_eager",
+    "deterministic",
     "multi_step",
     "spec_depth",
     "spec_width",
@@ -173,11 +175,11 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
     as in serving, where the configured tree is the caps); a `#TAG` suffix names another engine of the
     same settings; `+eager`, `+kv-int8` (an int8 KV cache), `+steps1` (one decode step per engine step:
-    `multi_step: 1`) and `+QUANTIZATION` override those settings."""
+    `multi_step: 1`), `+deterministic` and `+QUANTIZATION` override those settings."""
     variant = variant.partition("#")[0]
     variant, _, policy = variant.partition("@")
     variant, *options = variant.split("+")
-    quantization = next((o for o in options if o not in ("eager", "kv-int8", "steps1")), None)
+    quantization = next((o for o in options if o not in ("eager", "kv-int8", "steps1", "deterministic")), None)
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
     return engine_config_from_args(
@@ -194,6 +196,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
         enable_prefix_caching=args.prefix_caching,
         kv_cache_dtype="int8" if "kv-int8" in options else args.kv_cache_dtype,
         multi_step=1 if "steps1" in options else args.multi_step,
+        deterministic=args.deterministic or "deterministic" in options,
         **overrides,
     )
 
