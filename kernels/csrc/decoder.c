@@ -332,7 +332,7 @@ static inline __m256 sum8(const __m256 *a) {
  * probability exactly 0 and add exactly nothing. So a token's attention output depends on its query and its keys
  * alone: read in a prompt (of any chunking, from cached blocks or not), decoded, or verified as a tree node, it is
  * the same bit for bit. */
-#define KEY_TILE 128   /* keys of an attention tile */
+#define KEY_TILE 256   /* keys of an attention tile */
 #define ATTEND_KEYS 8  /* keys of a block: one vector of scores per query */
 #define MAX_QUERIES 64 /* query rows x heads one attend_tile call takes at most */
 
@@ -389,7 +389,7 @@ static inline void load_block(const Decoder *m, const void *cache, const uint16_
  * positive). Writes each query's sum of p V, not normalised, to out + r out_row + h dim, and its maximum score and
  * sum of p to stats[2 (r heads + h)], [.. + 1] (-inf and 0 for a row that sees no key). scores: [rows heads][KEY_TILE]
  * scratch. Every query's arithmetic depends on its own query and keys alone (attention, above). */
-static void attend_tile(const float *q, int64_t q_row, int64_t rows, int64_t heads, int64_t first, const Decoder *m,
+static inline __attribute__((always_inline)) void attend_tile(const float *q, int64_t q_row, int64_t rows, int64_t heads, int64_t first, const Decoder *m,
                         const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n, float *out, int64_t out_row,
                         float *stats, float *scores) {
     const int64_t dim = m->head_dim, vecs = dim / 8, stride = KEY_TILE;
@@ -433,11 +433,10 @@ static void attend_tile(const float *q, int64_t q_row, int64_t rows, int64_t hea
             const float most = _mm_cvtss_f32(_mm_max_ss(b2, _mm_movehdup_ps(b2)));
             float *sc = scores + u * stride, *o = out + r * out_row + h * dim;
             __m256 sums = _mm256_setzero_ps();
+            const __m256 high = _mm256_set1_ps(most == -INFINITY ? 0.0f : most); /* a row of no key: every p is 0 */
             for (int64_t j = 0; j < width; j += 8) {
                 const __m256 s = _mm256_loadu_ps(sc + j);
-                const __m256 p = most == -INFINITY ? _mm256_setzero_ps()
-                                                   : _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(most))),
-                                                                   _mm256_cmp_ps(s, minus_inf, _CMP_NEQ_OQ));
+                const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s, high)), _mm256_cmp_ps(s, minus_inf, _CMP_NEQ_OQ));
                 _mm256_storeu_ps(sc + j, p);
                 sums = _mm256_add_ps(sums, p);
             }

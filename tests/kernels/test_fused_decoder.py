@@ -133,8 +133,8 @@ def reference_layers(
 
 
 # Cached tokens of the ragged batch's decode, tree and second chunk: short contexts, and long ones whose
-# tokens attend over several tiles of keys (decoder.c's KEY_TILE of 128: 6 for the decode, 3 for the tree's
-# nodes, 15 for the chunk's tokens)
+# tokens attend over several tiles of keys (decoder.c's KEY_TILE of 256: 3 for the decode, 2 for the tree's
+# nodes, 8 for the chunk's tokens)
 CONTEXTS = {"short": (37, 9, 10), "long": (700, 300, 1900)}
 NUM_BLOCKS = {"short": 64, "long": 1000}  # of BLOCK slots
 
