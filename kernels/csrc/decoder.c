@@ -501,10 +501,13 @@ static inline void finish_query(const float *acc, float total, int64_t dim, floa
     for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(acc + i), inv));
 }
 
+/* Floats of attend_run_rows' scratch: scores, a tile's and the running sums of P V, statistics. */
+static inline int64_t run_scratch_floats(int64_t dim) { return MAX_QUERIES * (KEY_TILE + 2 * dim + 4); }
+
 /* Rows i0 .. i0 + rows of a run of consecutive new tokens of one sequence (row i's keys: slots[0 .. limit + i), in
  * sequence order) for one KV head's `group` query heads: their attention outputs, tile after tile, each query folded
  * as it goes (the same folds a one-by-one token's tiles get). q: the first row's first query head of the KV head,
- * q_row apart; out likewise, out_row apart. scratch: per thread, run_scratch_floats(group, dim). */
+ * q_row apart; out likewise, out_row apart. scratch: per thread, run_scratch_floats(dim). */
 static void attend_run_rows(const float *q, int64_t q_row, int64_t rows, int64_t limit, int64_t group, const Decoder *m,
                             const Layer *layer, int64_t kv_head, const int64_t *slots, float *out, int64_t out_row,
                             float *scratch) {
@@ -527,8 +530,6 @@ static void attend_run_rows(const float *q, int64_t q_row, int64_t rows, int64_t
  * prefetches fill the line buffers that the projection's weights need. */
 #define PREFETCH_KEYS 512
 
-/* Floats of attend_run_rows' scratch. */
-static inline int64_t run_scratch_floats(int64_t dim) { return MAX_QUERIES * (KEY_TILE + 2 * dim + 4); }
 
 /* The sequence of token t and its keys' cache slots, in sequence order; returns how many. */
 static int64_t token_keys(const Decoder *m, const Batch *b, int64_t t, int64_t *slots) {

@@ -27,11 +27,10 @@ CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
 
 
 @pytest.fixture(autouse=True)
-def without_amx(monkeypatch):
-    """The AVX2 runs on any CPU: AMX off for the test (as it was after), calls of any number of rows."""
+def without_amx():
+    """The path of CPUs without AMX on any CPU: AMX off for the test (as it was after)."""
     was = integer_dot.amx_active()
     integer_dot.set_amx(False)
-    monkeypatch.setattr(fused_decoder, "max_rows", lambda: fused_decoder.MANY_ROWS)
     yield
     integer_dot.set_amx(was)
 
