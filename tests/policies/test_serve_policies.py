@@ -91,6 +91,19 @@ def test_router_keeps_prefix_affinity_within_the_imbalance_and_sends_tight_class
     assert max(float(line.split()[-1]) for line in observed) > 0, observed
 
 
+def wait_until_idle(url: str, timeout_s: float = 60) -> None:
+    """Wait until both replicas report no running or waiting requests and an empty KV cache (/metrics), so a
+    burst is ranked by its own load, not by what an earlier test left in the stats."""
+    gauges = ("lyanna_batch_size{", "lyanna_queue_length{", "lyanna_kv_cache_usage{")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines() if line.startswith(gauges)]
+        if len(lines) == 2 * len(gauges) and all(float(line.split()[-1]) == 0 for line in lines):
+            return
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+
+
 def test_router_spreads_requests_that_arrive_together(base_url):
     url = f"{base_url}/routed/v1/chat/completions"
 
@@ -103,6 +116,7 @@ def test_router_spreads_requests_that_arrive_together(base_url):
 
     for wait in (0, 11):  # 11 s: past Serve's queue-length cache timeout (10 s), so the burst finds them expired
         time.sleep(wait)
+        wait_until_idle(f"{base_url}/routed")
         counts = collections.Counter(asyncio.run(burst(12)))
         assert len(counts) == 2 and max(counts.values()) <= 8, counts  # not all on the replica ranked first
 
