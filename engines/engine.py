@@ -386,7 +386,9 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
                 return []
-            return self.update(self.executor.execute(sched))
+            outputs = self.update(self.executor.execute(sched))
+            self.executor.finish_step(time.perf_counter() - start)
+            return outputs
         finally:
             self.busy_seconds += time.perf_counter() - start
 

@@ -21,7 +21,7 @@ from engines.spec_decode.policy import AdaptiveSettings
 from engines.spec_params import SpecParams
 from kernels.dispatch import default_kernel_mode
 
-DrafterName = Literal["none", "ngram", "draft-model", "lyanna", "eagle"]
+DrafterName = Literal["none", "ngram", "suffix", "draft-model", "lyanna", "eagle", "lyanna+suffix"]
 
 
 class EngineConfig(BaseModel):
@@ -59,7 +59,12 @@ class EngineConfig(BaseModel):
         "takes every step, else fp32), a dtype name, or int8 (codes and a bf16 scale per 32 values: about half of "
         "bf16's bytes; fused CPU decoder only)",
     )
-    drafter: DrafterName = Field("lyanna", description="none, ngram, draft-model, lyanna or eagle")
+    drafter: DrafterName = Field(
+        "lyanna",
+        description="none, ngram, suffix (SuffixDecoding: drafts from the prompt, output and recent outputs), "
+        "draft-model, lyanna, eagle, or lyanna+suffix (per request and step the suffix drafter's tree where it "
+        "pays, else Lyanna's)",
+    )
     draft_model: str | None = Field(
         None,
         description="The drafter's checkpoint; null = the one shipped for the embedded model (for another target, "

@@ -11,6 +11,8 @@ of fused, `lyanna-dense`: token info from the low-rank product instead of the ho
 `lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`; and
 `eagle-eager-draft`, the same for EAGLE),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
+`served` (and `served#TAG`) runs exactly the engine settings `make run` serves (the `engine:` block of
+serve_config.yaml, or of `--serve-config`), whatever they are, with the benchmark's prefix-caching flag.
 `name@adaptive` runs it under the adaptive speculation policy (engines/spec_decode/policy.py) with that
 tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
@@ -55,12 +57,13 @@ import torch
 from engines.bench.llamacpp_peer import DEFAULT_FORMATS, FORMATS
 from engines.bench.wave import WaveTiming, cpu_info, spread
 from engines.datasets import read_prompt_file
+from engines.drafters.factory import DRAFTERS
 from engines.engine import LLMEngine
 from engines.engine_config import EngineConfig, add_engine_args, engine_config_from_args
 from engines.kv_cache import cpu_has_half_precision_math
 from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
-from engines.spec_decode.stats import SpecStats
+from engines.spec_decode.stats import SpecStats, StepProfile
 from engines.spec_params import SpecParams
 
 
@@ -110,6 +113,7 @@ class Side:
     forwards: int = 0
     outputs: dict[int, list[int]] = field(default_factory=dict)
     spec: SpecStats = field(default_factory=SpecStats)
+    profile: StepProfile = field(default_factory=StepProfile)
     wave_s: list[float] = field(default_factory=list)
     output_tokens: int = 0  # every wave's, summed (outputs keeps the latest tokens per prompt)
     decode_tokens: int = 0
@@ -134,6 +138,7 @@ class Side:
         self.forwards += other.forwards
         self.outputs.update(other.outputs)
         self.spec.add(other.spec)
+        self.profile.add(other.profile)
         self.wave_s += other.wave_s
         self.output_tokens += other.output_tokens
         self.decode_tokens += other.decode_tokens
@@ -170,6 +175,21 @@ ENGINE_FLAGS = (
 )
 
 
+JOINED_DRAFTERS = [name for name in DRAFTERS if "+" in name]
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "serve_config.yaml"
+REPLICA_ONLY = ("served_model_name", "cpus_per_rank")  # the `engine:` block's settings that are the replica's
+
+
+def served_settings(path: str | Path = SERVE_CONFIG) -> dict[str, Any]:
+    """The engine settings `make run` serves: the `engine:` block of the serve config's first application, less
+    the replica's own settings."""
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text())
+    engine = dict(config["applications"][0].get("args", {}).get("engine", {}))
+    return {k: v for k, v in engine.items() if k not in REPLICA_ONLY}
+
+
 def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> EngineConfig:
     """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
@@ -177,8 +197,16 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     same settings; `+eager`, `+kv-int8` (an int8 KV cache), `+steps1` (one decode step per engine step:
     `multi_step: 1`), `+deterministic` and `+QUANTIZATION` override those settings."""
     variant = variant.partition("#")[0]
+    if variant == "served":  # exactly what is served, but for prefix caching (the benchmark's flag) and batch room
+        served = served_settings(args.serve_config)
+        max_num_seqs = max(served.get("max_num_seqs", 1), args.batch_size)
+        return EngineConfig(**served | {"enable_prefix_caching": args.prefix_caching, "max_num_seqs": max_num_seqs})
     variant, _, policy = variant.partition("@")
-    variant, *options = variant.split("+")
+    joined = next((d for d in JOINED_DRAFTERS if variant == d or variant.startswith(d + "+")), None)
+    if joined is not None:  # a drafter whose name holds a "+" (lyanna+suffix), options after it
+        variant, *options = [joined, *variant[len(joined) + 1 :].split("+")] if variant != joined else [joined]
+    else:
+        variant, *options = variant.split("+")
     quantization = next((o for o in options if o not in ("eager", "kv-int8", "steps1", "deterministic")), None)
     drafter, overrides = VARIANTS.get(variant, (variant, {}))
     checkpoint = {"draft-model": args.draft_model, "lyanna": args.lyanna, "eagle": args.eagle}.get(drafter)
@@ -206,6 +234,10 @@ def parse_config(text: str, args: argparse.Namespace) -> tuple[str, SpecParams]:
     engine name keeps the tag, so a tagged configuration runs on an engine of its own."""
     text, tag, label = text.partition("#")
     name, *nums = text.split(":")
+    if name == "served":
+        if nums:
+            raise SystemExit("configuration 'served' takes its tree from the serve config: no :DEPTH:WIDTH:BUDGET")
+        return name + tag + label, EngineConfig(**served_settings(args.serve_config)).spec
     if len(nums) not in (0, 3):
         raise SystemExit(f"bad configuration {text!r}: use NAME or NAME:DEPTH:WIDTH:BUDGET")
     depth, width, budget = (int(n) for n in nums) if nums else (args.spec_depth, args.spec_width, args.spec_budget)
@@ -331,7 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--drafter", default="none", help="drafter when --compare is not given")
-    ap.add_argument("--compare", default=None, help="comma-separated configurations, e.g. none,ngram,ngram:6:3:16")
+    ap.add_argument(
+        "--compare",
+        default=None,
+        help="comma-separated configurations, e.g. none,ngram,ngram:6:3:16; `served` is the served default",
+    )
+    ap.add_argument(
+        "--serve-config",
+        default=str(SERVE_CONFIG),
+        help="the serve config whose `engine:` block the `served` configuration runs",
+    )
     ap.add_argument("--draft-model", default=None, help="checkpoint of the draft model (drafter draft-model)")
     ap.add_argument("--lyanna", default=None, help="Lyanna checkpoint (default: the shipped one)")
     ap.add_argument("--eagle", default=None, help="EAGLE checkpoint (default: the shipped one)")
@@ -380,8 +421,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             temperature=args.temperature, seed=args.seed, max_tokens=args.max_new_tokens, ignore_eos=ignore_eos
         )
         executor = engine.executor  # its counters are swapped for this wave's
-        before_forwards, before_spec = executor.num_forwards, executor.stats
-        executor.stats = SpecStats()
+        before_forwards, before_spec, before_profile = executor.num_forwards, executor.stats, executor.profile
+        executor.stats, executor.profile = SpecStats(), StepProfile()
         t0 = time.perf_counter()
         reqs = [engine.add_request(prompt_token_ids=prompts[i], params=params, spec=spec) for i in wave]
         # Decode-only starts after the step at which every request has its first token: checked on the
@@ -401,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             side.record(wave, WaveTiming(outs, t_end - t0, total - at_first, t_end - t_first, t_first - t0))
             side.forwards += executor.num_forwards - before_forwards
             side.spec.add(executor.stats)
-        executor.stats = before_spec
+            side.profile.add(executor.profile)
+        executor.stats, executor.profile = before_spec, before_profile
 
     def run_hf(name: str, wave: list[int], side: Side | None) -> None:
         lookup = args.hf_prompt_lookup if name == "hf-prompt-lookup" else None
@@ -538,6 +580,8 @@ def summarize(sides: dict[str, Side], ours: list[str], peers: list[str], num_pro
                     "acceptance_by_depth": side.spec.acceptance_by_depth,
                     "draft_tokens": side.spec.num_draft_tokens,
                     "accepted_tokens": side.spec.num_accepted_tokens,
+                    # per kind of engine step (tree, plain, multi): milliseconds per step by phase
+                    "step_profile_ms": side.profile.breakdown(),
                 }
             )
         if base is not None and not n.startswith("hf"):

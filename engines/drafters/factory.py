@@ -1,4 +1,5 @@
-"""Builds the configured drafter for an engine: n-gram, a separate draft model, Lyanna or EAGLE."""
+"""Builds the configured drafter for an engine: n-gram, suffix, a separate draft model, Lyanna or EAGLE, or Lyanna
+with the suffix drafter beside it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,19 @@ def _ngram(config: EngineConfig, engine: LLMEngine) -> Drafter:
     from engines.drafters.ngram import NgramDrafter
 
     return NgramDrafter()
+
+
+def _suffix(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter()
+
+
+def _lyanna_suffix(config: EngineConfig, engine: LLMEngine) -> Drafter:
+    from engines.drafters.suffix import SuffixDrafter
+    from engines.drafters.text_first import TextFirstDrafter
+
+    return TextFirstDrafter(_lyanna(config, engine), SuffixDrafter())
 
 
 def _draft_model(config: EngineConfig, engine: LLMEngine) -> Drafter:
@@ -81,6 +95,8 @@ DRAFTERS: dict[str, Callable[[EngineConfig, LLMEngine], Drafter] | None] = {
     "draft-model": _draft_model,
     "lyanna": _lyanna,
     "eagle": _eagle,
+    "suffix": _suffix,
+    "lyanna+suffix": _lyanna_suffix,
 }
 
 

@@ -104,6 +104,10 @@ class TargetCostModel:
     _curve: tuple[list[float], list[float], list[float]] | None = field(default=None, repr=False)
     # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
     _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
+    # decode batch size -> (a decode step's seconds when plain decoding runs several steps in one call, over
+    # the plain curve's single step of as many tokens; observations): moving averages. Plain decoding as it
+    # runs, which a draft has to beat.
+    multi_step_ratio: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -139,6 +143,25 @@ class TargetCostModel:
         d = max(self.decay, 1 / self.counts[b])  # a profiled point weighs one step: online data soon rules
         self.points[b] = tuple((1 - d) * o + d * x for o, x in zip(old, (tokens, seconds, context), strict=True))
 
+    def observe_multi_step(self, num_seqs: int, steps: int, seconds: float, context: int | None = None) -> None:
+        """Fold in one call that ran `steps` plain decode steps of `num_seqs` requests in `seconds` (over
+        `context` attention keys at its first step)."""
+        if not self.points or steps < 1:
+            return
+        ratio = seconds / steps / self._plain(num_seqs, context)
+        old, count = self.multi_step_ratio.get(num_seqs, (0.0, 0))
+        d = max(self.decay, 1 / (count + 1))
+        self.multi_step_ratio[num_seqs] = ((1 - d) * old + d * ratio, count + 1)
+
+    def plain_decode_step(self, num_seqs: int, context: int | None = None, steps: int = 1) -> float:
+        """Seconds a plain decode step of `num_seqs` requests takes as plain decoding runs it: one step a
+        call, or (`steps` > 1) several a call, priced by the nearest batch size measured so."""
+        seconds = self._plain(num_seqs, context)
+        if steps < 2 or not self.multi_step_ratio:
+            return seconds
+        near = min(self.multi_step_ratio, key=lambda n: (abs(n.bit_length() - num_seqs.bit_length()), n))
+        return seconds * min(1.0, self.multi_step_ratio[near][0])
+
     def _new_overhead(self, bucket: int, num_trees: int, num_draft_tokens: int) -> None:
         """A bucket's fit, at its first tree step (`num_trees` trees, `num_draft_tokens` tokens): it
         starts with `prior_tree_steps` such steps as the nearest measured bucket prices them (one
@@ -170,6 +193,7 @@ class TargetCostModel:
         self.trees.clear()
         self._curve = None
         self._overheads.clear()
+        self.multi_step_ratio.clear()
 
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0, context: int | None = None) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding

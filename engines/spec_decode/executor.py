@@ -24,6 +24,7 @@ import torch
 from engines.attention import attention_keys
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
+from engines.drafters.text_first import TextFirstDrafter
 from engines.kv_cache import PagedKVCache
 from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
@@ -31,7 +32,7 @@ from engines.request import Request, TokenLogprob
 from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample, vocab_argmax
 from engines.scheduler import MULTI_STEP_MAX_SEQS, ScheduledRequest, SchedulerOutput
 from engines.spec_decode.policy import SpeculationPolicy, StepRecord
-from engines.spec_decode.stats import SpecStats
+from engines.spec_decode.stats import SpecStats, StepProfile
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
 from engines.structured_output import MaskedRows, mask_logits, prune_draft
@@ -74,11 +75,15 @@ class SpecDecodeExecutor:
         self.policy = policy
         self.chain_verifier = chain_verifier
         self.stats = SpecStats()
+        self.profile = StepProfile()
         self.num_forwards = 0
+        # the last step's kind, tokens emitted, phases' seconds and own seconds, until the engine has applied it
+        self._last_step: tuple[str, int, dict[str, float], float] | None = None
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
         paths' K/V; results in the order of `sched.scheduled`."""
+        began = time.perf_counter()
         scheduled = sched.scheduled
         if self.drafter is not None:
             for req, num_cached in sched.cache_hits:  # admitted on cached blocks: the drafter's context for them
@@ -87,21 +92,44 @@ class SpecDecodeExecutor:
         drafts = self._draft(scheduled, record)
         steps = self._multi_steps(scheduled, drafts) if not record.num_drafted else 1
         if steps > 1:
-            results = self._execute_multi_step(scheduled, steps)
+            results = self._execute_multi_step(scheduled, steps, record.policy_s)
             if results is not None:
+                self._last_step = (*self._last_step[:3], time.perf_counter() - began)
                 return results
         start = time.perf_counter()
         plan = StepPlan.from_scheduled(scheduled, drafts, self.kv)
         spans = [(plan.num_cached[b], plan.query_start[b + 1] - plan.query_start[b]) for b in range(plan.num_seqs)]
         record.num_context = attention_keys(spans)
+        forward_start = time.perf_counter()
         step = self.runner.execute(plan)
+        record.forward_s = time.perf_counter() - forward_start
         self.num_forwards += 1
-        results = self._sample_and_verify(scheduled, drafts, plan, step)
+        results = self._sample_and_verify(scheduled, drafts, plan, step, record)
         record.num_tokens, record.target_s = plan.num_tokens, time.perf_counter() - start
         trees = [t for t in drafts if t is not None]
         record.num_trees, record.num_draft_tokens = len(trees), sum(t.num_draft for t in trees)
         self.policy.observe_step(record)
+        phases = {
+            "policy": record.policy_s,
+            "catch_up": record.read_s,
+            "draft": record.draft_s + record.text_s,
+            "forward": record.forward_s,
+            "verify": record.target_s - record.forward_s - record.commit_s,
+            "commit": record.commit_s,
+        }
+        emitted = sum(len(r.token_ids) for r in results)
+        self._last_step = ("tree" if trees else "plain", emitted, phases, time.perf_counter() - began)
         return results
+
+    def finish_step(self, total_s: float) -> None:
+        """The engine applied the last step, which took `total_s` seconds in all: its time outside the
+        executor goes to the policy (`observe_host`), the step to the profile (`profile`)."""
+        if self._last_step is None:
+            return
+        kind, emitted, phases, own_s = self._last_step
+        self._last_step = None
+        self.policy.observe_host(max(0.0, total_s - own_s))
+        self.profile.add_step(kind, emitted, phases, total_s)
 
     def on_finished(self, request: Request) -> None:
         """The request ended: drop the drafter's and the policy's state for it."""
@@ -110,7 +138,7 @@ class SpecDecodeExecutor:
         self.policy.on_finished(request.request_id)
 
     # ---- several decode steps in one call ----------------------------------------------------------
-    def _multi_steps(self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None]) -> int:
+    def _multi_steps(self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None] | None = None) -> int:
         """How many decode steps this step takes in one call (asked only when nothing was drafted, so the policy
         waits for no measurement of it): 1, unless every scheduled request (at most `MULTI_STEP_MAX_SEQS`) decodes
         (its last token, no draft) and may (`Request.multi_step_ok`), each granted the tokens of further steps
@@ -118,6 +146,8 @@ class SpecDecodeExecutor:
         grant and every request's `max_tokens`."""
         if self.multi_step < 2 or not 0 < len(scheduled) <= MULTI_STEP_MAX_SEQS:
             return 1
+        if drafts is None:
+            drafts = [None] * len(scheduled)
         most = self.multi_step - 1
         for s, tree in zip(scheduled, drafts, strict=True):
             req = s.request
@@ -129,15 +159,20 @@ class SpecDecodeExecutor:
             most = min(most, s.num_draft_tokens + s.num_lookahead_tokens, left)
         return 1 + max(most, 0)
 
-    def _execute_multi_step(self, scheduled: list[ScheduledRequest], steps: int) -> list[RequestStepResult] | None:
+    def _execute_multi_step(
+        self, scheduled: list[ScheduledRequest], steps: int, policy_s: float = 0.0
+    ) -> list[RequestStepResult] | None:
         """`steps` greedy decode steps of every scheduled request in one call of the target (its LM head and
         argmax in the call: exactly the tokens and K/V of as many plain steps); each request's results are its
         `steps` tokens, the K/V of its input token and the first `steps` - 1 of them committed. None where the
-        model takes no such call (`ModelRunner.execute_greedy`)."""
+        model takes no such call (`ModelRunner.execute_greedy`). The call's time goes to the policy, which
+        prices plain decoding by it."""
+        start = time.perf_counter()
         plan = StepPlan.from_scheduled(scheduled, [None] * len(scheduled), self.kv)
         out = self.runner.execute_greedy(plan, steps)
         if out is None:
             return None
+        forward_s = time.perf_counter() - start
         hidden, tokens = out  # [steps, B, hidden], [steps, B]
         self.num_forwards += 1
         B = len(scheduled)
@@ -145,6 +180,11 @@ class SpecDecodeExecutor:
             rows = hidden.transpose(0, 1).reshape(B * steps, hidden.shape[-1])
             self.drafter.on_prefill([s.request for s in scheduled], rows, list(range(0, B * steps + 1, steps)))
         per_request = tokens.t().tolist()  # the step's one host copy
+        seconds = time.perf_counter() - start
+        context = attention_keys([(s.request.num_computed_tokens, 1) for s in scheduled])
+        self.policy.observe_multi_step(B, steps, seconds, context)
+        phases = {"policy": policy_s, "forward": forward_s, "verify": seconds - forward_s}
+        self._last_step = ("multi", B * steps, phases, 0.0)
         return [RequestStepResult(s.request, steps, ids) for s, ids in zip(scheduled, per_request, strict=True)]
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -156,12 +196,21 @@ class SpecDecodeExecutor:
         granted = [b for b, s in enumerate(scheduled) if s.num_draft_tokens]
         if self.drafter is None or not granted:
             return drafts
-        reqs = [scheduled[b].request for b in granted]
-        caps = [_cap(scheduled[b]) for b in granted]
         other_tokens = sum(s.num_new_tokens for s in scheduled if not s.num_draft_tokens)
         context = attention_keys([(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled])
+        plain_steps = self._multi_steps(scheduled)
+        if isinstance(self.drafter, TextFirstDrafter):
+            granted = self._draft_text(scheduled, granted, other_tokens, context, plain_steps, drafts, record)
+            if len(granted) < len([s for s in scheduled if s.num_draft_tokens]):
+                other_tokens = sum(s.num_new_tokens for s in scheduled) - len(granted)
+                other_tokens += sum(t.num_draft for t in drafts if t is not None)
+                plain_steps = 1  # a step that verifies drafts runs alone
+            if not granted:
+                return drafts
+        reqs = [scheduled[b].request for b in granted]
+        caps = [_cap(scheduled[b]) for b in granted]
         start = time.perf_counter()
-        plans = self.policy.plan(reqs, caps, other_tokens, context)
+        plans = self.policy.plan(reqs, caps, other_tokens, context, plain_steps)
         record.policy_s = time.perf_counter() - start
         chosen = [(b, r, p) for b, r, p in zip(granted, reqs, plans, strict=True) if p is not None]
         if not chosen:
@@ -190,6 +239,41 @@ class SpecDecodeExecutor:
             drafts[b] = tree
         return drafts
 
+    def _text_drafted(self, req: Request) -> bool:
+        """Whether the request's tree this step is the text drafter's."""
+        return isinstance(self.drafter, TextFirstDrafter) and req.request_id in self.drafter.text_requests
+
+    def _draft_text(
+        self,
+        scheduled: list[ScheduledRequest],
+        granted: list[int],
+        other_tokens: int,
+        context: int | None,
+        plain_steps: int,
+        drafts: list[DraftTree | None],
+        record: StepRecord,
+    ) -> list[int]:
+        """The text drafter's trees for the granted requests (as deep as their grants and `max_tokens` allow),
+        those the policy keeps set in `drafts`; the granted requests left for the model drafter."""
+        start = time.perf_counter()
+        reqs = [scheduled[b].request for b in granted]
+        specs = []
+        for b, req in zip(granted, reqs, strict=True):
+            grant, cap = scheduled[b].num_draft_tokens, _cap(scheduled[b])
+            room = req.max_tokens - len(req.output_token_ids) - 1
+            specs.append(SpecParams(depth=max(1, min(grant, room)), width=cap.width, budget=grant))
+        trees = self.drafter.propose_text(reqs, specs)
+        kept = self.policy.choose_text_drafts(reqs, trees, other_tokens, context, plain_steps)
+        kept = _prune_for_grammar(reqs, kept)
+        chosen = set()
+        for b, req, tree in zip(granted, reqs, kept, strict=True):
+            if tree is not None and tree.num_draft:
+                drafts[b] = tree
+                chosen.add(req.request_id)
+        self.drafter.use_text(chosen)
+        record.text_s = time.perf_counter() - start
+        return [b for b in granted if drafts[b] is None]
+
     # ---- forward results -----------------------------------------------------------------------
     def _hidden_to_drafter(
         self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], step: StepResult
@@ -209,7 +293,12 @@ class SpecDecodeExecutor:
         self.drafter.on_prefill([scheduled[b].request for b in plain], hidden, row_starts)
 
     def _sample_and_verify(
-        self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], plan: StepPlan, step: StepResult
+        self,
+        scheduled: list[ScheduledRequest],
+        drafts: list[DraftTree | None],
+        plan: StepPlan,
+        step: StepResult,
+        record: StepRecord,
     ) -> list[RequestStepResult]:
         """Sample the plain rows and verify the trees (one host copy between them, which also carries
         the log-probabilities requests asked for), commit accepted paths, and tell the drafter and the
@@ -258,7 +347,9 @@ class SpecDecodeExecutor:
         for (b, _), token in zip(sampling, sampled_host, strict=True):
             results[b].token_ids = [token]
         if drafted:
+            start = time.perf_counter()
             self._commit(scheduled, drafts, drafted, verified, step, results)
+            record.commit_s = time.perf_counter() - start
         if logprob_rows:
             self._attach_logprobs(logprob_rows.unpack(logprobs_host), owners, results)
         self._chain_logprobs(scheduled, drafts, drafted, verified, plan, step, results)
@@ -416,7 +507,10 @@ class SpecDecodeExecutor:
         for b, result, hidden in zip(drafted, verified, path_hidden, strict=True):
             req, tree = scheduled[b].request, drafts[b]
             self.stats.record(tree, result)
-            self.policy.observe_verified(req, tree, result.path)
+            if self._text_drafted(req):
+                self.policy.observe_text(tree, result.path)
+            else:
+                self.policy.observe_verified(req, tree, result.path)
             self.drafter.on_verified(req, tree, result, hidden)
             results[b] = RequestStepResult(
                 req,

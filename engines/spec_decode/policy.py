@@ -67,6 +67,9 @@ class StepRecord:
     num_draft_tokens: int = 0  # draft tokens in those trees
     num_context: int | None = None  # attention keys the target forward read (None: not known)
     policy_s: float = 0.0  # the policy's own planning and allocation
+    forward_s: float = 0.0  # the target forward alone (within target_s)
+    text_s: float = 0.0  # the text drafter's round and the policy's choice of its drafts
+    commit_s: float = 0.0  # the accepted paths' KV commit and the drafter's bookkeeping (within target_s)
 
 
 class SpeculationPolicy(ABC):
@@ -76,12 +79,18 @@ class SpeculationPolicy(ABC):
 
     @abstractmethod
     def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+        self,
+        requests: list[Request],
+        caps: list[SpecParams],
+        other_tokens: int,
+        context: int | None = None,
+        plain_steps: int = 1,
     ) -> list[SpecParams | None]:
         """Per granted decoding request: the tree to draft (within its caps: its limit and its grant),
         or None for no draft this step. `other_tokens` are the step's scheduled tokens besides these
         requests' roots (prefill chunks, decodes that do not speculate);
-        `context` the attention keys its plain forward would read (None: not known)."""
+        `context` the attention keys its plain forward would read (None: not known); `plain_steps` the
+        decode steps plain decoding would run in this step's one call (several greedy steps a call)."""
 
     @abstractmethod
     def allocate(
@@ -89,8 +98,31 @@ class SpeculationPolicy(ABC):
     ) -> list[DraftTree | None]:
         """Per drafted request: the subtree to verify this step, or None."""
 
+    def choose_text_drafts(
+        self,
+        requests: list[Request],
+        trees: list[DraftTree | None],
+        other_tokens: int,
+        context: int | None = None,
+        plain_steps: int = 1,
+    ) -> list[DraftTree | None]:
+        """Per granted decoding request, the text drafter's tree to verify this step instead of a model
+        drafter's (None: leave the request to the model drafter); all of them unless a policy prices them."""
+        return list(trees)
+
+    def observe_text(self, tree: DraftTree, path: list[int]) -> None:  # noqa: B027 - optional hook
+        """A verified text-drafter tree and its accepted path (node indices, root first)."""
+
     def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Measured costs of the step that just ran."""
+
+    def observe_multi_step(  # noqa: B027 - optional hook
+        self, num_seqs: int, steps: int, seconds: float, context: int | None = None
+    ) -> None:
+        """A call that ran `steps` plain decode steps of `num_seqs` requests (no drafts) took `seconds`."""
+
+    def observe_host(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """An engine step's time outside the executor (scheduling, applying results)."""
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:  # noqa: B027
         """A verified tree and its accepted path (node indices, root first)."""
@@ -109,7 +141,12 @@ class FixedPolicy(SpeculationPolicy):
     name = "fixed"
 
     def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+        self,
+        requests: list[Request],
+        caps: list[SpecParams],
+        other_tokens: int,
+        context: int | None = None,
+        plain_steps: int = 1,
     ) -> list[SpecParams | None]:
         return list(caps)
 
@@ -303,6 +340,9 @@ class AdaptivePolicy(SpeculationPolicy):
     policy_drafting_s: _Ema = field(default_factory=_Ema)
     policy_plain_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
+    host_s: _Ema = field(default_factory=_Ema)  # an engine step's time outside the executor
+    # text drafts' accepted tokens over the sum of their node scores (their estimate), lately
+    text_calibration: _Ema = field(default_factory=lambda: _Ema(value=1.0, weight=1 / 32, count=4))
     shapes: ShapeTable = field(default_factory=lambda: ShapeTable())
     # the share of adaptive requests drafted for per plan, lately (starting at all of them): how many of
     # its remaining steps a request that starts drafting now can expect to draft in, which its reading
@@ -334,7 +374,12 @@ class AdaptivePolicy(SpeculationPolicy):
 
     # ---- drafting ---------------------------------------------------------------------------------
     def plan(
-        self, requests: list[Request], caps: list[SpecParams], other_tokens: int, context: int | None = None
+        self,
+        requests: list[Request],
+        caps: list[SpecParams],
+        other_tokens: int,
+        context: int | None = None,
+        plain_steps: int = 1,
     ) -> list[SpecParams | None]:
         n = len(requests)
         self._step_decoders, self._step_other_tokens, self._step_context = n, other_tokens, context
@@ -361,11 +406,13 @@ class AdaptivePolicy(SpeculationPolicy):
             tuple(r.request_id for r in requests),
             tuple((c.depth, c.width, c.budget, c.fixed) for c in caps),
             other_tokens,
+            plain_steps > 1,
         )
         search = self._search
         if search is None or search.key != key or self._num_plans >= search.until:
+            base = n + other_tokens + fixed_tokens
             search = self._search = self._shape_search(
-                requests, caps, adaptive, states, n + other_tokens + fixed_tokens, fixed_trees, fixed_tokens, context
+                requests, caps, adaptive, states, base, fixed_trees, fixed_tokens, context, plain_steps
             )
             search.key = key
             if search.best_chosen:
@@ -450,15 +497,24 @@ class AdaptivePolicy(SpeculationPolicy):
         fixed_trees: int,
         fixed_tokens: int,
         context: int | None,
+        plain_steps: int = 1,
     ) -> _Search:
         """For each drafting shape, the requests worth drafting for (best expected gain per verified
         token first) and the goodput of drafting for them, drafter time included: the best option that
-        pays and the best drafting option, paying or not."""
+        pays and the best drafting option, paying or not. Plain decoding is priced as it runs: where
+        it would take `plain_steps` steps in one call, a step costs what such calls take a step, and the
+        engine's time outside the executor (`host_s`) is shared by those steps."""
         n = len(requests)
         max_depth = max(caps[i].depth for i in adaptive)
         max_width = max(caps[i].width for i in adaptive)
-        plain_goodput = n / self.target_cost.predict(base, fixed_trees, fixed_tokens, context)
+        host = self.host_s.value
+        if plain_steps > 1 and base == n:  # only these requests decode: plain decoding as it really runs
+            plain_s = self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
+        else:
+            plain_s = self.target_cost.predict(base, fixed_trees, fixed_tokens, context) + host
+        plain_goodput = n / plain_s
         policy_s = max(0.0, self.policy_drafting_s.value - self.policy_plain_s.value)  # what drafting adds
+        policy_s += host  # a drafting step runs alone: the engine's own time is all its own
         # (shape, its options ordered, how many of them draft); the request lists are built once, after
         # the search
         best: tuple[tuple[int, int], list[tuple[float, int, int]], int] = ((0, 0), [], 0)
@@ -533,6 +589,49 @@ class AdaptivePolicy(SpeculationPolicy):
             reads=reads,
             probed=frozenset(probed),
         )
+
+    def choose_text_drafts(
+        self,
+        requests: list[Request],
+        trees: list[DraftTree | None],
+        other_tokens: int,
+        context: int | None = None,
+        plain_steps: int = 1,
+    ) -> list[DraftTree | None]:
+        """The text drafts that raise the step's goodput over plain decoding as it runs, best expected
+        tokens per verified token first: each tree's estimate is the sum of its node scores (the chance the
+        target follows each node) times their calibration, a step's time the target's price for its trees
+        and draft tokens plus the engine's own time."""
+        if not self.target_cost.ready:
+            return list(trees)
+        n = len(requests)
+        base = n + other_tokens
+        host = self.host_s.value
+        if plain_steps > 1 and other_tokens == 0:
+            plain_s = self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
+        else:
+            plain_s = self.target_cost.predict(base, context=context) + host
+        best_goodput = n / plain_s
+        scale = self.text_calibration.value
+        options = sorted(
+            ((scale * sum(t.scores[1:]), t.num_draft, i) for i, t in enumerate(trees) if t is not None and t.num_draft),
+            key=lambda o: (-o[0] / o[1], o[2]),
+        )
+        price = self.target_cost.pricer(base, context)
+        out: list[DraftTree | None] = [None] * n
+        gain = tokens = 0.0
+        for m, (g, k, i) in enumerate(options, 1):
+            goodput = (n + gain + g) / (price(m, int(tokens + k)) + host)
+            if goodput <= best_goodput:
+                break
+            gain, tokens, best_goodput = gain + g, tokens + k, goodput
+            out[i] = trees[i]
+        return out
+
+    def observe_text(self, tree: DraftTree, path: list[int]) -> None:
+        estimate = sum(tree.scores[1:])
+        if estimate > 0:
+            self.text_calibration.add(min(4.0, (len(path) - 1) / estimate))
 
     # ---- verification budget ----------------------------------------------------------------------
     def allocate(
@@ -665,6 +764,12 @@ class AdaptivePolicy(SpeculationPolicy):
             self.draft_cost.observe(record.draft_depth, record.draft_width, record.num_drafted, record.draft_s)
         if record.num_read:
             self.draft_cost.observe_reading(record.num_read, record.read_s)
+
+    def observe_multi_step(self, num_seqs: int, steps: int, seconds: float, context: int | None = None) -> None:
+        self.target_cost.observe_multi_step(num_seqs, steps, seconds, context)
+
+    def observe_host(self, seconds: float) -> None:
+        self.host_s.add(seconds)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)

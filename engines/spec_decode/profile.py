@@ -137,7 +137,7 @@ def profile_engine(engine: LLMEngine, policy: AdaptivePolicy) -> None:
     _forget_synthetic(policy)  # random prompts say nothing about real acceptance
 
 
-PROFILE_FORMAT = 1  # bump when what a saved profile holds changes
+PROFILE_FORMAT = 2  # bump when what a saved profile holds changes
 
 
 @functools.cache

@@ -55,3 +55,51 @@ class SpecStats:
     def acceptance_by_depth(self) -> list[float]:
         """Conditional acceptance at depth 1, 2, ...: accepted at d given d-1 accepted and d tried."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted_depth, self.reached_depth, strict=True)]
+
+
+PHASES = ("policy", "catch_up", "draft", "forward", "verify", "commit", "host")
+
+
+@dataclass
+class StepProfile:
+    """Where engine steps' time went, by kind of step: "tree" (a step that verified drafts), "plain" (one
+    decode or prompt step without drafts) and "multi" (several plain decode steps in one call). Per kind:
+    steps, tokens emitted, and seconds per phase: the policy's planning and allocation, the drafter's
+    catch-up (reading new context) and drafting, the target forward, sampling and verification (with the
+    step's host copy), the accepted paths' KV commit and the drafter's bookkeeping, and `host`: the engine's
+    time outside the executor (scheduling, applying results) plus the executor's own glue."""
+
+    steps: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add_step(self, kind: str, tokens: int, phases: dict[str, float], total_s: float) -> None:
+        """One step of `kind` that emitted `tokens` tokens in `total_s` seconds, split into `phases`
+        (what they leave of the total counts as `host`)."""
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        self.tokens[kind] = self.tokens.get(kind, 0) + tokens
+        mine = self.seconds.setdefault(kind, dict.fromkeys(PHASES, 0.0))
+        for phase, s in phases.items():
+            mine[phase] += s
+        mine["host"] += max(0.0, total_s - sum(phases.values()))
+
+    def add(self, other: StepProfile) -> None:
+        """Accumulate another profile into this one."""
+        for kind, n in other.steps.items():
+            self.steps[kind] = self.steps.get(kind, 0) + n
+            self.tokens[kind] = self.tokens.get(kind, 0) + other.tokens[kind]
+            mine = self.seconds.setdefault(kind, dict.fromkeys(PHASES, 0.0))
+            for phase, s in other.seconds[kind].items():
+                mine[phase] += s
+
+    def breakdown(self) -> dict[str, dict[str, float]]:
+        """Per kind of step: its count, tokens per step, milliseconds per step of each phase and in all,
+        and milliseconds per emitted token."""
+        out = {}
+        for kind, n in self.steps.items():
+            ms = {phase: 1000 * s / n for phase, s in self.seconds[kind].items()}
+            total = sum(ms.values())
+            tokens = self.tokens[kind] / n
+            out[kind] = {"steps": n, "tokens_per_step": tokens, **ms, "total": total}
+            out[kind]["per_token"] = total / tokens if tokens else 0.0
+        return out

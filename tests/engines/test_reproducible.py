@@ -71,17 +71,22 @@ def test_a_request_answers_the_same_chunked_and_from_the_prefix_cache(alone):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "drafter,policy", [("lyanna", "fixed"), ("lyanna", "adaptive"), ("eagle", "fixed"), ("eagle", "adaptive"),
-                       ("ngram", "fixed")]
+                       ("ngram", "fixed"), ("suffix", "fixed"), ("lyanna+suffix", "fixed"),
+                       ("lyanna+suffix", "adaptive")]
 )  # fmt: skip
 def test_a_speculated_request_answers_as_alone_unspeculated(alone, drafter, policy):
-    """Each drafter, with a fixed 3:2:6 tree and under the adaptive policy (caps 4:4:16, as served)."""
+    """Each drafter, with a fixed 3:2:6 tree and under the adaptive policy (caps 4:4:16, as served); the drafters
+    that remember recent outputs run the requests twice (the second time, unseeded ones draft from the first's)."""
     tree = (3, 2, 6) if policy == "fixed" else (4, 4, 16)
     config = EngineConfig(drafter=drafter, spec_policy=policy, spec_depth=tree[0], spec_width=tree[1],
                           spec_budget=tree[2], **SERVED)  # fmt: skip
     engine = LLMEngine(config)
-    assert run_staggered(engine) == alone
+    for _ in range(2 if "suffix" in drafter else 1):
+        assert run_staggered(engine) == alone
     if policy == "fixed":
         assert engine.stats().spec.num_draft_tokens > 0
+    if drafter == "lyanna+suffix" and policy == "fixed":  # both drafters' trees were verified
+        assert 0 < engine.executor.drafter.num_text_trees < engine.stats().spec.num_steps
 
 
 def test_a_resumed_request_continues_as_alone(alone):
