@@ -104,7 +104,7 @@ class SuffixDrafter(Drafter):
         max_match: int = 32,
         length_factor: float = 1.0,
         min_score: float = 0.1,
-        max_occurrences: int = 64,
+        max_occurrences: int = 16,
         share_across_requests: bool = True,
         shared_tokens: int = 200_000,
     ):

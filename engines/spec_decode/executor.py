@@ -92,7 +92,7 @@ class SpecDecodeExecutor:
         drafts = self._draft(scheduled, record)
         steps = self._multi_steps(scheduled, drafts) if not record.num_drafted else 1
         if steps > 1:
-            results = self._execute_multi_step(scheduled, steps, record.policy_s)
+            results = self._execute_multi_step(scheduled, steps, record)
             if results is not None:
                 self._last_step = (*self._last_step[:3], time.perf_counter() - began)
                 return results
@@ -160,7 +160,7 @@ class SpecDecodeExecutor:
         return 1 + max(most, 0)
 
     def _execute_multi_step(
-        self, scheduled: list[ScheduledRequest], steps: int, policy_s: float = 0.0
+        self, scheduled: list[ScheduledRequest], steps: int, record: StepRecord | None = None
     ) -> list[RequestStepResult] | None:
         """`steps` greedy decode steps of every scheduled request in one call of the target (its LM head and
         argmax in the call: exactly the tokens and K/V of as many plain steps); each request's results are its
@@ -183,7 +183,13 @@ class SpecDecodeExecutor:
         seconds = time.perf_counter() - start
         context = attention_keys([(s.request.num_computed_tokens, 1) for s in scheduled])
         self.policy.observe_multi_step(B, steps, seconds, context)
-        phases = {"policy": policy_s, "forward": forward_s, "verify": seconds - forward_s}
+        record = record or StepRecord(num_tokens=0, target_s=0.0)  # what the step's drafting (none kept) took
+        phases = {
+            "policy": record.policy_s,
+            "draft": record.text_s,
+            "forward": forward_s,
+            "verify": seconds - forward_s,
+        }
         self._last_step = ("multi", B * steps, phases, 0.0)
         return [RequestStepResult(s.request, steps, ids) for s, ids in zip(scheduled, per_request, strict=True)]
 

@@ -28,7 +28,7 @@ def test_serve_config_parses_with_ray_and_with_our_args():
     assert isinstance(call_user_app_builder_with_args_if_necessary(builder, app.args), Application)
     args = AppArgs.model_validate(app.args)
     config = args.engine.engine_config()
-    assert args.engine.drafter == "lyanna" and config.spec_policy == "adaptive" and config.spec.depth == 4
+    assert args.engine.drafter == "lyanna+suffix" and config.spec_policy == "adaptive" and config.spec.depth == 4
     deployments = {d.name: d for d in app.deployments}
     llm = deployments["LLMReplica"]
     assert llm.request_router_config["request_router_class"] == "policies.routing:LoadAwareRouter"
