@@ -1,10 +1,11 @@
 """A model drafter with the suffix drafter beside it (`drafter: lyanna+suffix`).
 
 Each step the executor first asks the suffix drafter, which costs microseconds, for every request
-granted a draft; the speculation policy keeps the text drafts that pay (by expected tokens per second,
-`SpeculationPolicy.choose_text_drafts`), and only the other requests go to the model drafter (its
-catch-up, its levels). The model drafter still reads every verified position's hidden states, so a
-request moves between the two from one step to the next without reading its context again.
+granted a draft; the speculation policy keeps the parts of the text drafts that pay (by expected tokens
+per second, `SpeculationPolicy.choose_text_drafts`), and only a step that keeps none goes to the model
+drafter (its catch-up, its levels) and its plan. The model drafter still reads every verified position's
+hidden states, so a request moves between the two from one step to the next without reading its
+context again.
 """
 
 from __future__ import annotations

@@ -206,12 +206,10 @@ class SpecDecodeExecutor:
         context = attention_keys([(s.request.num_computed_tokens, s.num_new_tokens) for s in scheduled])
         plain_steps = self._multi_steps(scheduled)
         if isinstance(self.drafter, TextFirstDrafter):
-            granted = self._draft_text(scheduled, granted, other_tokens, context, plain_steps, drafts, record)
-            if len(granted) < len([s for s in scheduled if s.num_draft_tokens]):
-                other_tokens = sum(s.num_new_tokens for s in scheduled) - len(granted)
-                other_tokens += sum(t.num_draft for t in drafts if t is not None)
-                plain_steps = 1  # a step that verifies drafts runs alone
-            if not granted:
+            # A step verifies the text drafter's trees or the model drafter's, not both: the model drafter's
+            # option is priced against plain decoding as it runs, which a step that verifies text trees no
+            # longer is, and its catch-up and levels cost the step as much for one request as for many.
+            if self._draft_text(scheduled, granted, other_tokens, context, plain_steps, drafts, record):
                 return drafts
         reqs = [scheduled[b].request for b in granted]
         caps = [_cap(scheduled[b]) for b in granted]
@@ -258,9 +256,9 @@ class SpecDecodeExecutor:
         plain_steps: int,
         drafts: list[DraftTree | None],
         record: StepRecord,
-    ) -> list[int]:
+    ) -> bool:
         """The text drafter's trees for the granted requests (as deep as their grants and `max_tokens` allow),
-        those the policy keeps set in `drafts`; the granted requests left for the model drafter."""
+        those the policy keeps set in `drafts`; whether it kept any."""
         start = time.perf_counter()
         reqs = [scheduled[b].request for b in granted]
         specs = []
@@ -278,7 +276,7 @@ class SpecDecodeExecutor:
                 chosen.add(req.request_id)
         self.drafter.use_text(chosen)
         record.text_s = time.perf_counter() - start
-        return [b for b in granted if drafts[b] is None]
+        return bool(chosen)
 
     # ---- forward results -----------------------------------------------------------------------
     def _hidden_to_drafter(

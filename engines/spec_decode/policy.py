@@ -209,6 +209,47 @@ _TOKENS_PER_DRAFT_STEP = 2.0  # tokens a drafted step emits, for spreading a col
 
 
 @dataclass
+class DepthCalibration:
+    """How often a drafter's nodes at each depth are accepted against what their scores say: per depth, accepted
+    nodes over the sum of the nodes' scores (moving sums, starting at one prior node accepted as scored)."""
+
+    forget: float = 0.995
+    prior: float = 1.0
+    accepted: list[float] = field(default_factory=list)  # [d - 1]: at depth d
+    estimated: list[float] = field(default_factory=list)
+
+    def factor(self, depth: int) -> float:
+        """Accepted over estimated at `depth` (1 before any node of that depth was verified)."""
+        if depth > len(self.accepted):
+            return self.factor(len(self.accepted)) if self.accepted else 1.0  # deeper: as the deepest seen
+        return (self.accepted[depth - 1] + self.prior) / (self.estimated[depth - 1] + self.prior)
+
+    def estimates(self, tree: DraftTree) -> list[float]:
+        """Per node, its calibrated chance to be accepted (never above its parent's; the root 1)."""
+        out = [1.0] * tree.size
+        scores = tree.scores or [1.0] * tree.size
+        depths = tree.depths
+        for i in range(1, tree.size):
+            out[i] = min(out[tree.parents[i]], scores[i] * self.factor(depths[i]))
+        return out
+
+    def observe(self, tree: DraftTree, path: list[int]) -> None:
+        """A verified tree and its accepted path (node indices, root first)."""
+        scores = tree.scores or [1.0] * tree.size
+        on_path = set(path)
+        depths = tree.depths
+        while len(self.accepted) < tree.depth:
+            self.accepted.append(0.0)
+            self.estimated.append(0.0)
+        self.accepted = [a * self.forget for a in self.accepted]
+        self.estimated = [e * self.forget for e in self.estimated]
+        for i in range(1, tree.size):
+            d = depths[i] - 1
+            self.estimated[d] += scores[i]
+            self.accepted[d] += i in on_path
+
+
+@dataclass
 class _RequestState:
     idle_steps: int = 0  # steps since it last drafted
     history: bool = False  # whether it has been allocated at least once
@@ -341,8 +382,7 @@ class AdaptivePolicy(SpeculationPolicy):
     policy_plain_s: _Ema = field(default_factory=_Ema)
     observed_step_s: _Ema = field(default_factory=_Ema)
     host_s: _Ema = field(default_factory=_Ema)  # an engine step's time outside the executor
-    # text drafts' accepted tokens over the sum of their node scores (their estimate), lately
-    text_calibration: _Ema = field(default_factory=lambda: _Ema(value=1.0, weight=1 / 32, count=4))
+    text_calibration: DepthCalibration = field(default_factory=lambda: DepthCalibration())  # text drafts' scores
     shapes: ShapeTable = field(default_factory=lambda: ShapeTable())
     # the share of adaptive requests drafted for per plan, lately (starting at all of them): how many of
     # its remaining steps a request that starts drafting now can expect to draft in, which its reading
@@ -598,10 +638,11 @@ class AdaptivePolicy(SpeculationPolicy):
         context: int | None = None,
         plain_steps: int = 1,
     ) -> list[DraftTree | None]:
-        """The text drafts that raise the step's goodput over plain decoding as it runs, best expected
-        tokens per verified token first: each tree's estimate is the sum of its node scores (the chance the
-        target follows each node) times their calibration, a step's time the target's price for its trees
-        and draft tokens plus the engine's own time."""
+        """The parts of the text drafts that raise the step's goodput most over plain decoding as it runs: every
+        node's estimate is its score calibrated for its depth (`text_calibration`), nodes are taken across the
+        trees best estimate first, and the count kept maximises expected tokens over the step's price (the
+        target's for its trees and draft tokens, plus the engine's own time); none where that does not beat
+        plain decoding."""
         if not self.target_cost.ready:
             return list(trees)
         n = len(requests)
@@ -611,27 +652,32 @@ class AdaptivePolicy(SpeculationPolicy):
             plain_s = self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
         else:
             plain_s = self.target_cost.predict(base, context=context) + host
-        best_goodput = n / plain_s
-        scale = self.text_calibration.value
-        options = sorted(
-            ((scale * sum(t.scores[1:]), t.num_draft, i) for i, t in enumerate(trees) if t is not None and t.num_draft),
-            key=lambda o: (-o[0] / o[1], o[2]),
-        )
+        estimates: dict[int, list[float]] = {}
+        nodes: list[tuple[float, int, int]] = []  # (estimate, tree index, node)
+        for j, tree in enumerate(trees):
+            if tree is not None and tree.num_draft:
+                est = estimates[j] = self.text_calibration.estimates(tree)
+                nodes.extend((est[i], j, i) for i in range(1, tree.size))
+        nodes.sort(key=lambda x: (-x[0], x[1], x[2]))  # a parent before its children (never a lower estimate)
         price = self.target_cost.pricer(base, context)
+        best_k, best_goodput = 0, n / plain_s
+        gain, counted = 0.0, set()
+        for k, (est, j, _) in enumerate(nodes, 1):
+            gain += est
+            counted.add(j)
+            goodput = (n + gain) / (price(len(counted), k) + host)
+            if goodput > best_goodput:
+                best_k, best_goodput = k, goodput
+        counts: dict[int, int] = {}
+        for _, j, _ in nodes[:best_k]:
+            counts[j] = counts.get(j, 0) + 1
         out: list[DraftTree | None] = [None] * n
-        gain = tokens = 0.0
-        for m, (g, k, i) in enumerate(options, 1):
-            goodput = (n + gain + g) / (price(m, int(tokens + k)) + host)
-            if goodput <= best_goodput:
-                break
-            gain, tokens, best_goodput = gain + g, tokens + k, goodput
-            out[i] = trees[i]
+        for j, c in counts.items():
+            out[j] = trees[j].prune(c + 1, ranking=estimates[j])
         return out
 
     def observe_text(self, tree: DraftTree, path: list[int]) -> None:
-        estimate = sum(tree.scores[1:])
-        if estimate > 0:
-            self.text_calibration.add(min(4.0, (len(path) - 1) / estimate))
+        self.text_calibration.observe(tree, path)
 
     # ---- verification budget ----------------------------------------------------------------------
     def allocate(

@@ -134,3 +134,15 @@ def test_the_adaptive_policy_does_not_draft_where_only_one_step_plain_decoding_w
     for _ in range(30):
         policy.target_cost.observe_multi_step(1, 4, 4 * 0.006)
     assert policy.plan(reqs, caps, 0, plain_steps=4) == [None]  # plain decoding runs at 6 ms a token
+
+
+def test_text_drafts_are_cut_where_their_depth_s_acceptance_says_the_rest_does_not_pay():
+    """Chains scored 1.0 all along whose third token is never accepted: the calibration learns it per depth, and
+    the policy verifies two tokens of such a chain, not eight."""
+    policy = cheap_verification_policy()
+    long = DraftTree.chain(0, list(range(1, 9)), [1.0] * 9)
+    assert policy.choose_text_drafts([request("a", [1])], [long], 0)[0].num_draft == 8  # uncalibrated: all
+    for _ in range(200):
+        policy.observe_text(long, [0, 1, 2])
+    assert policy.text_calibration.factor(1) > 0.95 and policy.text_calibration.factor(3) < 0.05
+    assert policy.choose_text_drafts([request("a", [1])], [long], 0)[0].tokens == [0, 1, 2]
