@@ -11,8 +11,10 @@ of fused, `lyanna-dense`: token info from the low-rank product instead of the ho
 `lyanna-eager-draft`: the drafter's layer eager in its own dtype, `draft_quantization: none`; and
 `eagle-eager-draft`, the same for EAGLE),
 optionally with its tree as `name:depth:width:budget` (default: `--depth`, `--width`, `--budget`).
-`served` (and `served#TAG`) runs exactly the engine settings `make run` serves (the `engine:` block of
-serve_config.yaml, or of `--serve-config`), whatever they are, with the benchmark's prefix-caching flag.
+Drafters that remember recent requests' outputs (suffix, n-gram) forget them before each repeat: the warm-up
+and earlier repeats answered these same prompts. `served` (and `served#TAG`) runs exactly the engine settings
+`make run` serves (the `engine:` block of serve_config.yaml, or of `--serve-config`), whatever they are, with
+the benchmark's prefix-caching flag.
 `name@adaptive` runs it under the adaptive speculation policy (engines/spec_decode/policy.py) with that
 tree as the caps; `--policy adaptive` adds `DRAFTER@adaptive` to the comparison.
 `eagle` and `lyanna` use the checkpoints shipped for the embedded target unless given. With `--compare-hf`,
@@ -38,7 +40,11 @@ the batch-invariant kernels where Triton runs (`deterministic: true`: its cost o
 with one decode step per engine step (`multi_step: 1`; greedy decodes otherwise take up to `--multi-step` a
 call). `NAME#TAG` runs a configuration again on another engine of the same settings: `none,none#2` shows how
 far two identical engines differ on this machine (the noise floor of every ratio). The last line of stdout
-is one JSON object; its top-level fields describe the first configuration, `configs` holds them all.
+is one JSON object; its top-level fields describe the first configuration, `configs` holds them all, each of
+ours with `step_profile_ms`: per kind of engine step (`tree`: verified drafts, `plain`: one step without,
+`multi`: several plain decode steps in one call) its count, tokens per step, and milliseconds per step of the
+policy, the drafter's catch-up and drafting, the target forward, verification (sampling, the host copy), the
+accepted paths' commit, and the engine's own time (`host`); stderr shows it as a table.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from engines.engine_config import EngineConfig, add_engine_args, engine_config_f
 from engines.kv_cache import cpu_has_half_precision_math
 from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
-from engines.spec_decode.stats import SpecStats, StepProfile
+from engines.spec_decode.stats import PHASES, SpecStats, StepProfile
 from engines.spec_params import SpecParams
 
 
@@ -472,6 +478,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run(w, None)
         repeats: list[dict[str, Side]] = []
         for rep in range(args.repeat):
+            for engine in engines.values():  # the warm-up's and earlier repeats' answers to these same prompts
+                if engine.executor.drafter is not None:
+                    engine.executor.drafter.forget_recent()
             sides = {n: Side(n) for n, _ in runners}
             for k, w in enumerate(waves):
                 shift = (k + rep) % len(runners)
@@ -504,7 +513,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             k: spread([r[n][k] for r in runs]) for k in metrics if not k.endswith("_median_wave") and runs[0][n][k]
         }
         if n in ours:
-            out["format"] = our_format(engines[configs[names.index(n)][0]])
+            engine = engines[configs[names.index(n)][0]]
+            out["format"] = our_format(engine)
+            c = engine.config
+            out["settings"] = {
+                "drafter": c.drafter,
+                "spec_policy": c.spec_policy,
+                "tree": [c.spec_depth, c.spec_width, c.spec_budget],
+                "multi_step": c.multi_step,
+                "quantization": c.quantization,
+                "dtype": c.dtype,
+            }
         elif n in peer_info:
             out["format"] = peer_info[n]["format"]
     if "hf-prompt-lookup" in per_config:
@@ -541,8 +560,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         )
     result["outputs"] = [{"id": r["id"], "token_ids": pooled[names[0]].outputs[i]} for i, r in enumerate(records)]
+    for n in ours:
+        print(profile_table(n, pooled[n].profile), file=sys.stderr)
     print(json.dumps(result))
     return result
+
+
+def profile_table(name: str, profile: StepProfile) -> str:
+    """A configuration's step profile as text: per kind of engine step, milliseconds per step by phase."""
+    columns = ("steps", "tokens_per_step", *PHASES, "total", "per_token")
+    lines = [f"step profile of {name} (ms per step; per_token: ms per emitted token)"]
+    lines.append("  " + f"{'kind':<6}" + "".join(f"{c:>16}" for c in columns))
+    for kind, row in profile.breakdown().items():
+        cells = [f"{row[c]:>16d}" if c == "steps" else f"{row[c]:>16.2f}" for c in columns]
+        lines.append("  " + f"{kind:<6}" + "".join(cells))
+    return "\n".join(lines)
 
 
 # Per-configuration metrics that `repeats` gives as median and range (with every speedup_* ratio).

@@ -60,3 +60,6 @@ class Drafter(ABC):
 
     def on_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
         """The request ended (finished, aborted or preempted); drop per-request state."""
+
+    def forget_recent(self) -> None:  # noqa: B027 - optional hook
+        """Drop what it keeps of finished requests (drafters that draft from recent outputs)."""

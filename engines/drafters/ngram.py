@@ -139,6 +139,10 @@ class NgramDrafter(Drafter):
             trees.append(tree)
         return trees
 
+    def forget_recent(self) -> None:
+        self.recent.clear()
+        self.shared = NgramIndex(self.max_n)
+
     def on_finished(self, request: Request) -> None:
         idx = self.indexes.pop(request.request_id, None)
         if not self.share or idx is None:

@@ -147,6 +147,10 @@ class SuffixDrafter(Drafter):
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         return [self.draft(req, spec) for req, spec in zip(requests, specs, strict=True)]
 
+    def forget_recent(self) -> None:
+        self.recent.clear()
+        self.shared = NgramIndex(max_n=4)
+
     def on_finished(self, request: Request) -> None:
         idx = self.indexes.pop(request.request_id, None)
         if not self.share or idx is None:

@@ -64,3 +64,7 @@ class TextFirstDrafter(Drafter):
     def on_finished(self, request: Request) -> None:
         self.model.on_finished(request)
         self.text.on_finished(request)
+
+    def forget_recent(self) -> None:
+        self.model.forget_recent()
+        self.text.forget_recent()

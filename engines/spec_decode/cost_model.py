@@ -104,10 +104,9 @@ class TargetCostModel:
     _curve: tuple[list[float], list[float], list[float]] | None = field(default=None, repr=False)
     # bucket -> its overhead coefficients (or the nearest measured bucket's), until a tree step changes them
     _overheads: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
-    # decode batch size -> (a decode step's seconds when plain decoding runs several steps in one call, over
-    # the plain curve's single step of as many tokens; observations): moving averages. Plain decoding as it
-    # runs, which a draft has to beat.
-    multi_step_ratio: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # decode batch size -> (a decode step's seconds when plain decoding runs several steps in one call, its
+    # attention keys, observations): moving averages. Plain decoding as it runs, which a draft has to beat.
+    multi_steps: dict[int, tuple[float, float, int]] = field(default_factory=dict)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -146,21 +145,26 @@ class TargetCostModel:
     def observe_multi_step(self, num_seqs: int, steps: int, seconds: float, context: int | None = None) -> None:
         """Fold in one call that ran `steps` plain decode steps of `num_seqs` requests in `seconds` (over
         `context` attention keys at its first step)."""
-        if not self.points or steps < 1:
+        if steps < 1:
             return
-        ratio = seconds / steps / self._plain(num_seqs, context)
-        old, count = self.multi_step_ratio.get(num_seqs, (0.0, 0))
+        keys = float(context if context is not None else 0)
+        old_s, old_keys, count = self.multi_steps.get(num_seqs, (0.0, 0.0, 0))
         d = max(self.decay, 1 / (count + 1))
-        self.multi_step_ratio[num_seqs] = ((1 - d) * old + d * ratio, count + 1)
+        self.multi_steps[num_seqs] = ((1 - d) * old_s + d * seconds / steps, (1 - d) * old_keys + d * keys, count + 1)
 
     def plain_decode_step(self, num_seqs: int, context: int | None = None, steps: int = 1) -> float:
-        """Seconds a plain decode step of `num_seqs` requests takes as plain decoding runs it: one step a
-        call, or (`steps` > 1) several a call, priced by the nearest batch size measured so."""
-        seconds = self._plain(num_seqs, context)
-        if steps < 2 or not self.multi_step_ratio:
-            return seconds
-        near = min(self.multi_step_ratio, key=lambda n: (abs(n.bit_length() - num_seqs.bit_length()), n))
-        return seconds * min(1.0, self.multi_step_ratio[near][0])
+        """Seconds a plain decode step of `num_seqs` requests takes as plain decoding runs it: one step a call
+        (the curve), or (`steps` > 1) several a call: as measured for that batch size, moved by the context
+        slope for another context; an unmeasured batch size as the nearest measured one, scaled by the curve."""
+        if steps < 2 or not self.multi_steps:
+            return self._plain(num_seqs, context)
+        near = min(self.multi_steps, key=lambda n: (abs(n.bit_length() - num_seqs.bit_length()), n))
+        seconds, keys, _ = self.multi_steps[near]
+        if near != num_seqs and self.points:
+            seconds *= self._plain(num_seqs) / self._plain(near)
+        if context is not None:
+            seconds = max(0.25 * seconds, seconds + self.context_slope * (context - keys * num_seqs / near))
+        return seconds
 
     def _new_overhead(self, bucket: int, num_trees: int, num_draft_tokens: int) -> None:
         """A bucket's fit, at its first tree step (`num_trees` trees, `num_draft_tokens` tokens): it
@@ -193,7 +197,7 @@ class TargetCostModel:
         self.trees.clear()
         self._curve = None
         self._overheads.clear()
-        self.multi_step_ratio.clear()
+        self.multi_steps.clear()
 
     def predict(self, tokens: int, num_trees: int = 0, num_draft_tokens: int = 0, context: int | None = None) -> float:
         """Seconds for a step of `tokens` tokens in which `num_trees` requests verify trees holding

@@ -395,6 +395,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _step_tpot: dict[str, float] = field(default_factory=dict)
     _num_plans: int = 0
     _plans_since_plain: int = 0
+    _text_plans_since_plain: int = 0  # text-draft plans in a row that kept a draft
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
@@ -646,6 +647,9 @@ class AdaptivePolicy(SpeculationPolicy):
         if not self.target_cost.ready:
             return list(trees)
         n = len(requests)
+        if self._text_plans_since_plain >= self.settings.plain_every:  # a plain step: its price stays measured
+            self._text_plans_since_plain = 0
+            return [None] * n
         base = n + other_tokens
         host = self.host_s.value
         if plain_steps > 1 and other_tokens == 0:
@@ -674,6 +678,7 @@ class AdaptivePolicy(SpeculationPolicy):
         out: list[DraftTree | None] = [None] * n
         for j, c in counts.items():
             out[j] = trees[j].prune(c + 1, ranking=estimates[j])
+        self._text_plans_since_plain = self._text_plans_since_plain + 1 if counts else 0
         return out
 
     def observe_text(self, tree: DraftTree, path: list[int]) -> None:

@@ -171,3 +171,46 @@ def test_acceptance_and_draft_latency_clis_report_every_drafter(tmp_path):
     lat = json.loads(res.stdout.strip().splitlines()[-1])
     assert lat["lyanna.draft"] > 0 and lat["eagle.draft"] > 0 and lat["token_info"] == "dense"
     assert lat["lyanna.catch_up_batched"] > 0 and lat["catch_up_batched_vs_one_by_one"] > 0
+
+
+def test_copy_prompts_ask_for_answers_that_copy_from_the_prompt():
+    from engines.datasets import COPY_TASKS, copy_prompts
+
+    records = copy_prompts(8)
+    assert len(records) == 8 and len({r["id"] for r in records}) == 8
+    for record, (name, instruction) in zip(records, COPY_TASKS * 2, strict=True):
+        (message,) = record["messages"]
+        assert record["id"].startswith(f"copy-{name}-") and message["content"].startswith(instruction)
+        assert len(message["content"]) > len(instruction) + 100  # the text to copy from
+    assert "def " in records[2]["messages"][0]["content"]  # a HumanEval function to edit
+
+
+@pytest.mark.slow
+def test_bench_runs_the_served_engine_settings_and_profiles_its_steps(tmp_path):
+    """`served` runs the serve config's `engine:` block, whatever it holds; every configuration of ours reports
+    where its steps' time went."""
+    import yaml
+
+    from engines.datasets import copy_prompts
+
+    config = yaml.safe_load(open("serve_config.yaml").read())
+    engine = config["applications"][0]["args"]["engine"]
+    engine.update({"drafter": "lyanna+suffix", "spec_policy": "fixed", "spec_depth": 2, "spec_width": 1,
+                   "spec_budget": 8, "num_kv_blocks": 128})  # fmt: skip
+    serve_config = tmp_path / "serve.yaml"
+    serve_config.write_text(yaml.safe_dump(config))
+    prompts = tmp_path / "p.jsonl"
+    write_prompt_file(copy_prompts(2), prompts)
+    res = run("engines.bench", "--prompts", str(prompts), "--max-new-tokens", "24", "--compare", "none,served",
+              "--serve-config", str(serve_config), "--warmup", "0")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    served = out["configs"]["served"]
+    assert served["settings"] == {"drafter": "lyanna+suffix", "spec_policy": "fixed", "tree": [2, 1, 8],
+                                  "multi_step": 4, "quantization": "auto", "dtype": "bfloat16"}  # fmt: skip
+    assert served["identical_to_none"] == 1.0 and served["draft_tokens"] > 0
+    tree = served["step_profile_ms"]["tree"]
+    assert tree["steps"] > 0 and tree["forward"] > 0 and tree["tokens_per_step"] > 1
+    assert tree["total"] >= tree["forward"] + tree["draft"]
+    assert "multi" in out["configs"]["none"]["step_profile_ms"]  # plain decoding, four greedy steps a call
+    assert "step profile of served" in res.stderr

@@ -146,3 +146,13 @@ def test_text_drafts_are_cut_where_their_depth_s_acceptance_says_the_rest_does_n
         policy.observe_text(long, [0, 1, 2])
     assert policy.text_calibration.factor(1) > 0.95 and policy.text_calibration.factor(3) < 0.05
     assert policy.choose_text_drafts([request("a", [1])], [long], 0)[0].tokens == [0, 1, 2]
+
+
+def test_a_drafter_forgets_recent_outputs_when_asked():
+    drafter = SuffixDrafter()
+    done = request("done", [1, 2], output=list(range(200, 220)))
+    drafter.propose([done], [SPEC])
+    drafter.on_finished(done)
+    assert drafter.propose([request("u", [3], output=[200, 201, 202])], [SPEC])[0] is not None
+    drafter.forget_recent()
+    assert drafter.shared_size == 0 and drafter.propose([request("v", [3], output=[200, 201, 202])], [SPEC]) == [None]
