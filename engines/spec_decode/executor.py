@@ -209,7 +209,10 @@ class SpecDecodeExecutor:
             # A step verifies the text drafter's trees or the model drafter's, not both: the model drafter's
             # option is priced against plain decoding as it runs, which a step that verifies text trees no
             # longer is, and its catch-up and levels cost the step as much for one request as for many.
-            if self._draft_text(scheduled, granted, other_tokens, context, plain_steps, drafts, record):
+            self.drafter.use_text(set())
+            if self.policy.wants_text_drafts() and self._draft_text(
+                scheduled, granted, other_tokens, context, plain_steps, drafts, record
+            ):
                 return drafts
         reqs = [scheduled[b].request for b in granted]
         caps = [_cap(scheduled[b]) for b in granted]

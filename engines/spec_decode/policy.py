@@ -113,6 +113,10 @@ class SpeculationPolicy(ABC):
     def observe_text(self, tree: DraftTree, path: list[int]) -> None:  # noqa: B027 - optional hook
         """A verified text-drafter tree and its accepted path (node indices, root first)."""
 
+    def wants_text_drafts(self) -> bool:
+        """Whether this step should ask the text drafter at all (it costs tens of microseconds a request)."""
+        return True
+
     def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Measured costs of the step that just ran."""
 
@@ -396,6 +400,8 @@ class AdaptivePolicy(SpeculationPolicy):
     _num_plans: int = 0
     _plans_since_plain: int = 0
     _text_plans_since_plain: int = 0  # text-draft plans in a row that kept a draft
+    _text_idle: int = 0  # text-draft plans in a row that kept none
+    _text_skipped: int = 0  # steps since the text drafter was last asked
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
@@ -664,7 +670,9 @@ class AdaptivePolicy(SpeculationPolicy):
                 nodes.extend((est[i], j, i) for i in range(1, tree.size))
         nodes.sort(key=lambda x: (-x[0], x[1], x[2]))  # a parent before its children (never a lower estimate)
         price = self.target_cost.pricer(base, context)
-        best_k, best_goodput = 0, n / plain_s
+        # to be kept, drafts have to beat plain decoding by `min_advantage`: near break-even they have nothing to
+        # win, and their prices at a batch size rarely run plain (its curve seldom measured) are the least sure
+        best_k, best_goodput = 0, n / plain_s * (1 + self.settings.min_advantage)
         gain, counted = 0.0, set()
         for k, (est, j, _) in enumerate(nodes, 1):
             gain += est
@@ -679,7 +687,18 @@ class AdaptivePolicy(SpeculationPolicy):
         for j, c in counts.items():
             out[j] = trees[j].prune(c + 1, ranking=estimates[j])
         self._text_plans_since_plain = self._text_plans_since_plain + 1 if counts else 0
+        self._text_idle = 0 if counts else self._text_idle + 1
         return out
+
+    def wants_text_drafts(self) -> bool:
+        """After plans in a row that kept no text draft, ask again only every 2, 4, ... up to
+        `idle_search_every` plans (drafting from the text costs every request's lookup each time)."""
+        self._text_skipped += 1
+        gap = min(self.settings.idle_search_every, 1 << min(self._text_idle, 30))
+        if self._text_skipped >= gap:
+            self._text_skipped = 0
+            return True
+        return False
 
     def observe_text(self, tree: DraftTree, path: list[int]) -> None:
         self.text_calibration.observe(tree, path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engines.draft_tree import DraftTree
@@ -156,3 +158,20 @@ def test_a_drafter_forgets_recent_outputs_when_asked():
     assert drafter.propose([request("u", [3], output=[200, 201, 202])], [SPEC])[0] is not None
     drafter.forget_recent()
     assert drafter.shared_size == 0 and drafter.propose([request("v", [3], output=[200, 201, 202])], [SPEC]) == [None]
+
+
+def test_the_text_drafter_is_asked_less_often_while_its_drafts_do_not_pay():
+    policy = cheap_verification_policy()
+    unlikely = DraftTree.chain(0, [1, 2], [1.0, 0.01, 0.001])
+    asked = []
+    for step in range(64):
+        if policy.wants_text_drafts():
+            asked.append(step)
+            assert policy.choose_text_drafts([request("a", [1])], [unlikely], 0) == [None]
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
+    assert gaps[:4] == [2, 4, 8, 16] and set(gaps[4:]) == {16}  # doubling, up to idle_search_every
+    sure = DraftTree.chain(0, [1, 2], [1.0, 1.0, 1.0])
+    while not policy.wants_text_drafts():
+        pass
+    assert policy.choose_text_drafts([request("a", [1])], [sure], 0) == [sure]
+    assert policy.wants_text_drafts()  # kept one: asked every step again
