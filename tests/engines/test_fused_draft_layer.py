@@ -45,7 +45,7 @@ def engine() -> LLMEngine:
 def run_plain(engine: LLMEngine, prompts, steps: int) -> list[Request]:
     """Add `prompts` and take `steps` steps without drafting, so the drafter has context left to read."""
     plan = engine.executor.policy.plan
-    engine.executor.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)
+    engine.executor.policy.plan = lambda reqs, caps, *rest: [None] * len(reqs)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     for _ in range(steps):

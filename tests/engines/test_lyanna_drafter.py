@@ -78,7 +78,7 @@ def test_batched_trajectories_equal_each_request_alone(any_lyanna_checkpoint):
 
 def test_batched_catch_up_equals_each_request_alone(lyanna_checkpoint):
     engine = lyanna_engine(lyanna_checkpoint)
-    engine.executor.policy.plan = lambda reqs, caps, other, context=None: [None] * len(reqs)  # plain decoding only
+    engine.executor.policy.plan = lambda reqs, caps, *rest: [None] * len(reqs)  # plain decoding only
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in CHAT_PROMPTS[:3]]  # contexts of different lengths
     for _ in range(5):
