@@ -45,6 +45,17 @@ class NgramIndex:
         return out
 
 
+def request_index(indexes: dict[str, NgramIndex], req: Request, max_n: int) -> NgramIndex:
+    """The request's index in `indexes` (made on first use), extended with the tokens it gained since."""
+    idx = indexes.get(req.request_id)
+    if idx is None:
+        idx = indexes[req.request_id] = NgramIndex(max_n)
+    have = len(idx.tokens)
+    if have < req.num_tokens:
+        idx.extend(req.token_ids(have, req.num_tokens))
+    return idx
+
+
 @dataclass
 class _Trie:
     count: int = 0
@@ -111,13 +122,7 @@ class NgramDrafter(Drafter):
         self.shared = NgramIndex(max_n)
 
     def _index(self, req: Request) -> NgramIndex:
-        idx = self.indexes.get(req.request_id)
-        if idx is None:
-            idx = self.indexes[req.request_id] = NgramIndex(self.max_n)
-        have = len(idx.tokens)
-        if have < req.num_tokens:
-            idx.extend(req.token_ids(have, req.num_tokens))
-        return idx
+        return request_index(self.indexes, req, self.max_n)
 
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         trees = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
-from engines.drafters.ngram import SEPARATOR, NgramIndex
+from engines.drafters.ngram import SEPARATOR, NgramIndex, request_index
 from engines.request import Request
 from engines.spec_params import SpecParams
 
@@ -121,18 +121,9 @@ class SuffixDrafter(Drafter):
         """Tokens the shared index over recent requests' outputs holds (at most about 2 x `shared_tokens`)."""
         return len(self.shared.tokens)
 
-    def _index(self, req: Request) -> NgramIndex:
-        idx = self.indexes.get(req.request_id)
-        if idx is None:
-            idx = self.indexes[req.request_id] = NgramIndex(max_n=4)
-        have = len(idx.tokens)
-        if have < req.num_tokens:
-            idx.extend(req.token_ids(have, req.num_tokens))
-        return idx
-
     def draft(self, req: Request, spec: SpecParams) -> DraftTree | None:
         """The request's tree within `spec`, or None where its suffix never occurred before."""
-        idx = self._index(req)
+        idx = request_index(self.indexes, req, max_n=4)
         sources = (idx, self.shared) if self.share and req.params.seed is None else (idx,)
         for source in sources:
             match = longest_match(source, idx.tokens, self.max_match, self.max_occurrences)

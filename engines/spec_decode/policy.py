@@ -555,11 +555,7 @@ class AdaptivePolicy(SpeculationPolicy):
         max_depth = max(caps[i].depth for i in adaptive)
         max_width = max(caps[i].width for i in adaptive)
         host = self.host_s.value
-        if plain_steps > 1 and base == n:  # only these requests decode: plain decoding as it really runs
-            plain_s = self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
-        else:
-            plain_s = self.target_cost.predict(base, fixed_trees, fixed_tokens, context) + host
-        plain_goodput = n / plain_s
+        plain_goodput = n / self._plain_step_s(n, base, context, plain_steps, fixed_trees, fixed_tokens)
         policy_s = max(0.0, self.policy_drafting_s.value - self.policy_plain_s.value)  # what drafting adds
         policy_s += host  # a drafting step runs alone: the engine's own time is all its own
         # (shape, its options ordered, how many of them draft); the request lists are built once, after
@@ -637,6 +633,17 @@ class AdaptivePolicy(SpeculationPolicy):
             probed=frozenset(probed),
         )
 
+    def _plain_step_s(
+        self, n: int, base: int, context: int | None, plain_steps: int, fixed_trees: int = 0, fixed_tokens: int = 0
+    ) -> float:
+        """Seconds of the step without drafts for `n` decoding requests among `base` tokens, plus the engine's own
+        time: where only these requests decode and plain decoding takes `plain_steps` > 1 steps a call, a step of
+        such calls, the engine's time shared by its steps."""
+        host = self.host_s.value
+        if plain_steps > 1 and base == n:
+            return self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
+        return self.target_cost.predict(base, fixed_trees, fixed_tokens, context) + host
+
     def choose_text_drafts(
         self,
         requests: list[Request],
@@ -658,10 +665,7 @@ class AdaptivePolicy(SpeculationPolicy):
             return [None] * n
         base = n + other_tokens
         host = self.host_s.value
-        if plain_steps > 1 and other_tokens == 0:
-            plain_s = self.target_cost.plain_decode_step(n, context, plain_steps) + host / plain_steps
-        else:
-            plain_s = self.target_cost.predict(base, context=context) + host
+        plain_s = self._plain_step_s(n, base, context, plain_steps)
         estimates: dict[int, list[float]] = {}
         nodes: list[tuple[float, int, int]] = []  # (estimate, tree index, node)
         for j, tree in enumerate(trees):
