@@ -375,11 +375,36 @@ class LlamaModel(nn.Module):
         fused = self.fused_decoder(kv_cache, rows)
         if fused is None:
             return None
+        x = self.embed_tokens(input_ids).float()
+        hidden, tokens = fused.greedy(x, positions, meta, self._greedy_head_for(head), steps)
+        return hidden.to(self.dtype), tokens
+
+    @torch.inference_mode()
+    def argmax_rows(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,  # any step's the fused decoder takes (draft trees, several rows a sequence)
+        kv_cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # hidden [T, hidden], tokens [T] int64
+        """`forward` with every row's greedy token instead of its logits, the LM head and argmax in the fused
+        decoder's call: the same hidden states and K/V, and the tokens an argmax of `forward`'s logits gives.
+        None where `greedy_steps` would be (see there)."""
+        head = self.lm_head_quant
+        if not self.takes_greedy_steps(kv_cache) or meta.parents is None or head is None:
+            return None
+        fused = self.fused_decoder(kv_cache, input_ids.shape[0])
+        if fused is None:
+            return None
+        x = self.embed_tokens(input_ids).float()
+        hidden, tokens = fused.argmax_rows(x, positions, meta, self._greedy_head_for(head))
+        return hidden.to(self.dtype), tokens
+
+    def _greedy_head_for(self, head: QuantizedWeight) -> fused_decoder.GreedyHead:
+        """The fused decoder's view of the LM head and embeddings, rebuilt when the head was swapped."""
         if self._greedy_head is None or self._greedy_head[0] is not head:
             self._greedy_head = (head, fused_decoder.GreedyHead(head, self.embed_tokens.weight.data))
-        x = self.embed_tokens(input_ids).float()
-        hidden, tokens = fused.greedy(x, positions, meta, self._greedy_head[1], steps)
-        return hidden.to(self.dtype), tokens
+        return self._greedy_head[1]
 
     @torch.inference_mode()
     def forward(

@@ -28,12 +28,15 @@ class StepInput:
 class StepResult:
     """The step's logits and hidden states, flat, with per-sequence views."""
 
-    logits: torch.Tensor  # [N, vocab] fp32, the plan's logits rows in order
+    logits: torch.Tensor | None  # [N, vocab] fp32, the plan's logits rows in order (None: `argmax` instead)
     hidden: torch.Tensor  # [T, hidden] every new token's last-layer hidden state
     plan: StepPlan
+    argmax: list[int] | None = None  # every new token's greedy next token, on the host (`execute_argmax`)
 
     def seq_logits(self, b: int) -> torch.Tensor:
         """Sequence b's logits rows."""
+        if self.logits is None:
+            raise RuntimeError("this step computed each row's argmax, not its logits")
         return self.logits[self.plan.logits_start[b] : self.plan.logits_start[b + 1]]
 
     def seq_hidden(self, b: int) -> torch.Tensor:
@@ -95,6 +98,21 @@ class ModelRunner:
         ids = torch.tensor(plan.token_ids, dtype=torch.long)
         positions = torch.tensor(plan.positions, dtype=torch.long)
         return self.model.greedy_steps(ids, positions, meta, self.kv, steps)
+
+    def execute_argmax(self, plan: StepPlan) -> StepResult | None:
+        """`execute` with every new token's greedy next token (`StepResult.argmax`, the step's one host copy)
+        in place of logits, the LM head and argmax in the model's call; None where the model takes no such call
+        (`LlamaModel.argmax_rows`): then `execute` gives the logits."""
+        if self.graphs is not None:
+            return None
+        meta = self._metadata(plan, cpu_groups=False)
+        ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        positions = torch.tensor(plan.positions, dtype=torch.long)
+        out = self.model.argmax_rows(ids, positions, meta, self.kv)
+        if out is None:
+            return None
+        hidden, tokens = out
+        return StepResult(None, hidden, plan, tokens.tolist())
 
     def _metadata(self, plan: StepPlan, cpu_groups: bool) -> AttentionMetadata:
         """The plan's attention metadata over the persistent block-table buffer."""

@@ -429,16 +429,35 @@ class _Layers:
         rows [steps, B, hidden] fp32 and its argmax tokens [steps, B] int64, bit for bit what `steps` calls of
         `run`, the LM head's `vnni_matmul` and `row_argmax` give. Step s > 0 reads the tokens of step s - 1 at
         the next positions, into the slots `tables` gives (blocks the scheduler allocated beforehand)."""
-        if self.final_norm is None or self._reducer is not None:
-            raise ValueError("greedy steps need the model's final norm and one rank")
+        self._check_head(head)
         if steps < 1:
             raise ValueError(f"steps must be positive, not {steps}")
-        if head.head.in_features != self.cfg.hidden_size:
-            raise ValueError(f"the LM head reads {head.head.in_features} values, the rows are {self.cfg.hidden_size}")
         B = x.shape[0]
         one = torch.arange(B + 1, dtype=torch.int32)
         parents = torch.full((B,), -1, dtype=torch.int32)
-        x, batch, held = self._batch(x, positions, slots, one, seq_lens, tables, parents, None)
+        return self._greedy_call(*self._batch(x, positions, slots, one, seq_lens, tables, parents, None), head, steps)
+
+    def argmax_rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
+                    seq_lens: torch.Tensor, tables: torch.Tensor, parents: torch.Tensor, runs: torch.Tensor | None,
+                    head: GreedyHead) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`run` over any batch (draft trees, several rows a sequence), then the final norm, the LM head and every
+        row's argmax in the same call: the normed rows [T, hidden] fp32 and their argmax tokens [T] int64, bit for
+        bit what `run`, the LM head's `vnni_matmul` and `row_argmax` give (decoder.c's `decoder_greedy`, one step)."""
+        self._check_head(head)
+        batch = self._batch(x, positions, slots, query_start, seq_lens, tables, parents, runs)
+        hidden, tokens = self._greedy_call(*batch, head, 1)
+        return hidden[0], tokens[0]
+
+    def _check_head(self, head: GreedyHead) -> None:
+        if self.final_norm is None or self._reducer is not None:
+            raise ValueError("greedy steps need the model's final norm and one rank")
+        if head.head.in_features != self.cfg.hidden_size:
+            raise ValueError(f"the LM head reads {head.head.in_features} values, the rows are {self.cfg.hidden_size}")
+
+    def _greedy_call(self, x: torch.Tensor, batch: _Batch, held: tuple[torch.Tensor, ...], head: GreedyHead,
+                     steps: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """decoder_greedy over a checked batch (`_batch`'s): rows [steps, T, hidden] and tokens [steps, T]."""
+        B = x.shape[0]
         hidden = torch.empty(steps, B, self.cfg.hidden_size)
         tokens = torch.empty(steps, B, dtype=torch.int64)
         lib, threads = integer_dot.library(), torch.get_num_threads()
@@ -573,6 +592,21 @@ class FusedDecoder:
         if not self.final_norm:
             raise ValueError("greedy steps need the fused decoder built with the final norm")
         return self._layers.greedy(x, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables, head, steps)
+
+    def argmax_rows(
+        self,
+        x: torch.Tensor,  # [T, hidden] fp32 residual stream after the embedding
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        head: GreedyHead,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, hidden] fp32 normed rows, [T] int64 argmax tokens
+        """Every layer over the step's new tokens, then each row's greedy token, in one call (`_Layers.argmax_rows`)."""
+        if not self.final_norm or meta.parents is None:
+            raise ValueError("argmax rows need the fused decoder built with the final norm and the step's parents")
+        return self._layers.argmax_rows(
+            x, positions, meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_tables, meta.parents,
+            meta.prompt_tokens, head,
+        )  # fmt: skip
 
 
 class FusedDraftLayer:

@@ -36,7 +36,7 @@ from engines.spec_decode.stats import SpecStats, StepProfile
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
 from engines.structured_output import MaskedRows, mask_logits, prune_draft
-from engines.verification import VerifyItem, VerifyResult, verify_batch
+from engines.verification import VerifyItem, VerifyResult, verify_batch, verify_greedy
 
 
 @dataclass
@@ -101,10 +101,15 @@ class SpecDecodeExecutor:
         spans = [(plan.num_cached[b], plan.query_start[b + 1] - plan.query_start[b]) for b in range(plan.num_seqs)]
         record.num_context = attention_keys(spans)
         forward_start = time.perf_counter()
-        step = self.runner.execute(plan)
+        step = self.runner.execute_argmax(plan) if self._argmax_step(scheduled, drafts) else None
+        if step is None:
+            step = self.runner.execute(plan)
         record.forward_s = time.perf_counter() - forward_start
         self.num_forwards += 1
-        results = self._sample_and_verify(scheduled, drafts, plan, step, record)
+        if step.argmax is not None:
+            results = self._accept_argmax(scheduled, drafts, step, record)
+        else:
+            results = self._sample_and_verify(scheduled, drafts, plan, step, record)
         record.num_tokens, record.target_s = plan.num_tokens, time.perf_counter() - start
         trees = [t for t in drafts if t is not None]
         record.num_trees, record.num_draft_tokens = len(trees), sum(t.num_draft for t in trees)
@@ -282,6 +287,42 @@ class SpecDecodeExecutor:
         return bool(chosen)
 
     # ---- forward results -----------------------------------------------------------------------
+    @staticmethod
+    def _argmax_step(scheduled: list[ScheduledRequest], drafts: list[DraftTree | None]) -> bool:
+        """Whether the step needs no more of the target than each row's greedy token: every request greedy,
+        without log-probabilities or a grammar, past its prompt (`Request.multi_step_ok`), and decoding one
+        token or verifying a tree."""
+        return all(
+            s.request.multi_step_ok
+            and (tree is not None or s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens)
+            for s, tree in zip(scheduled, drafts, strict=True)
+        )
+
+    def _accept_argmax(
+        self,
+        scheduled: list[ScheduledRequest],
+        drafts: list[DraftTree | None],
+        step: StepResult,
+        record: StepRecord,
+    ) -> list[RequestStepResult]:
+        """`_sample_and_verify` for a step of greedy rows (`_argmax_step`) that the target ran with every row's
+        argmax (`ModelRunner.execute_argmax`): each plain request's token is its row's argmax, each tree follows
+        the argmax from its root (`verify_greedy`); the same tokens and commits as verifying the logits."""
+        argmax, starts = step.argmax, step.plan.query_start
+        drafted = [b for b, tree in enumerate(drafts) if tree is not None]
+        if self.drafter is not None and self.drafter.wants_hidden and len(drafted) < len(scheduled):
+            self._hidden_to_drafter(scheduled, drafts, step)
+        results = [RequestStepResult(s.request, s.num_new_tokens, []) for s in scheduled]
+        for b, tree in enumerate(drafts):
+            if tree is None:
+                results[b].token_ids = [argmax[starts[b + 1] - 1]]
+        if drafted:
+            verified = [verify_greedy(drafts[b], argmax[starts[b] : starts[b + 1]]) for b in drafted]
+            start = time.perf_counter()
+            self._commit(scheduled, drafts, drafted, verified, step, results)
+            record.commit_s = time.perf_counter() - start
+        return results
+
     def _hidden_to_drafter(
         self, scheduled: list[ScheduledRequest], drafts: list[DraftTree | None], step: StepResult
     ) -> None:

@@ -1067,7 +1067,9 @@ typedef struct {
 } Head;
 
 /* `steps` greedy decode steps of a batch of one new token per sequence (a decode token: parent -1, no run), in
- * one call: each step runs the layers and the final norm (decoder_forward; Decoder.final_norm must be set),
+ * one call; with steps = 1 the batch may be any decoder_forward takes (draft trees, several rows a sequence),
+ * every row's argmax computed. Each step runs the layers and the final norm (decoder_forward; Decoder.final_norm
+ * must be set),
  * rounds its rows to bf16 and takes the LM head (quantize_activations, vnni_gemm) and each row's argmax
  * (row_argmax); every step but the last then feeds its tokens back through the embeddings at the next
  * positions, their K/V going to the slots the block tables give. hidden [steps, B, hidden] gets each step's
@@ -1077,10 +1079,10 @@ typedef struct {
  * step's position beyond its block table, BAD_TOKEN for a token the embeddings lack), or -1 for no memory. */
 int decoder_greedy(const Decoder *m, Batch *b, float *x, int threads, const Head *head, int64_t steps, float *hidden,
                    int64_t *tokens) {
-    const int64_t B = b->num_tokens, H = m->hidden, V = head->vocab, bs = m->block_size;
-    if (B != b->num_seqs || m->final_norm == NULL || m->reduce) return BAD_QUERY_START;
+    const int64_t B = b->num_tokens, S = b->num_seqs, H = m->hidden, V = head->vocab, bs = m->block_size;
+    if ((steps > 1 && B != S) || m->final_norm == NULL || m->reduce) return BAD_QUERY_START;
     int64_t *positions = malloc(sizeof(int64_t) * B), *slots = malloc(sizeof(int64_t) * B);
-    int32_t *seq_lens = malloc(sizeof(int32_t) * B);
+    int32_t *seq_lens = malloc(sizeof(int32_t) * S);
     uint16_t *xb = malloc(sizeof(uint16_t) * B * H);
     int8_t *xq = malloc(B * H);
     float *dx = malloc(sizeof(float) * B * H / GROUP), *sx = malloc(sizeof(float) * B * H / GROUP);
@@ -1089,9 +1091,9 @@ int decoder_greedy(const Decoder *m, Batch *b, float *x, int threads, const Head
     if (!positions || !slots || !seq_lens || !xb || !xq || !dx || !sx || !logits) goto done;
     memcpy(positions, b->positions, sizeof(int64_t) * B);
     memcpy(slots, b->slots, sizeof(int64_t) * B);
-    memcpy(seq_lens, b->seq_lens, sizeof(int32_t) * B);
+    memcpy(seq_lens, b->seq_lens, sizeof(int32_t) * S);
     Batch step = *b;
-    step.positions = positions, step.slots = slots, step.seq_lens = seq_lens, step.runs = NULL;
+    step.positions = positions, step.slots = slots, step.seq_lens = seq_lens;
     for (int64_t s = 0; s < steps; s++) {
         if (s > 0) {
             for (int64_t t = 0; t < B; t++) {

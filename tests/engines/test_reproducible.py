@@ -89,6 +89,31 @@ def test_a_speculated_request_answers_as_alone_unspeculated(alone, drafter, poli
         assert 0 < engine.executor.drafter.num_text_trees < engine.stats().spec.num_steps
 
 
+def test_greedy_trees_are_verified_by_each_rows_argmax_in_the_target_call(alone):
+    """Steps of greedy requests only (Lyanna trees beside plain decodes) run the target with every row's argmax
+    in its call (`ModelRunner.execute_argmax`), no logits: the answers are those each request got alone; a seeded
+    request beside them sends the step back to the logits (`execute`)."""
+    engine = LLMEngine(EngineConfig(drafter="lyanna", spec_depth=3, spec_width=2, spec_budget=6, **SERVED))
+    runner, calls = engine.executor.runner, {"argmax": 0, "logits": 0}
+    argmax_call, logits_call = runner.execute_argmax, runner.execute
+
+    def counted(kind, call):
+        def run(*args, **kwargs):
+            out = call(*args, **kwargs)
+            calls[kind] += out is not None
+            return out
+
+        return run
+
+    runner.execute_argmax, runner.execute = counted("argmax", argmax_call), counted("logits", logits_call)
+    greedy = [i for i, (_, params) in enumerate(REQUESTS) if params.greedy]
+    assert run_staggered(engine, [REQUESTS[i] for i in greedy]) == [alone[i] for i in greedy]
+    assert engine.stats().spec.num_draft_tokens > 0 and calls["argmax"] > 10
+    before = dict(calls)
+    assert run_staggered(engine, REQUESTS[:2]) == alone[:2]  # a seeded request beside a greedy one
+    assert calls["logits"] - before["logits"] > 10
+
+
 def test_a_resumed_request_continues_as_alone(alone):
     """A request resumed from cuts of its answer (its generated tokens re-read as prompt, as on another replica)
     on a speculating engine gives the rest of the answer it got alone."""

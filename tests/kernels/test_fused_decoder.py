@@ -314,6 +314,28 @@ def test_greedy_steps_in_one_call_are_as_many_decode_steps(contexts):
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+def test_argmax_rows_in_one_call_are_forward_and_an_argmax():
+    """`LlamaModel.argmax_rows` (the layers, final norm, LM head and every row's argmax in one C call) over a
+    ragged batch (a decode, a draft tree, prompt chunks) gives bit for bit `forward`'s hidden rows and the
+    argmax of its logits at every row, and writes the same K/V."""
+    model = greedy_model()
+    caches = [PagedKVCache(2, 2, 16, 64, BLOCK, torch.bfloat16, "cpu") for _ in range(2)]
+    seqs = ragged_batch(caches[0])
+    copy_cache(caches[1], caches[0])
+    meta = build_attention_metadata(seqs, BLOCK, "cpu", cpu_groups=False)
+    positions = positions_of(seqs)
+    ids = torch.randint(0, model.embed_tokens.weight.shape[0], (len(positions),))
+    logits, rows = model(ids, positions, meta, caches[0])
+    out = model.argmax_rows(ids, positions, meta, caches[1])
+    assert out is not None
+    hidden, tokens = out
+    assert torch.equal(hidden, rows) and torch.equal(tokens, logits.argmax(-1))
+    assert len(set(tokens.tolist())) > 3
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    model.lm_head_quant = relayout(model.lm_head_quant, "integer_dot")  # a head the call cannot read
+    assert model.argmax_rows(ids, positions, meta, caches[1]) is None
+
+
 def test_greedy_steps_refuse_a_position_past_the_block_table_and_other_heads():
     """A later step's position beyond the blocks allocated is an IndexError naming the block table; an LM head
     in another layout, or weights other than bf16, take no such call (None: the caller steps one by one)."""
