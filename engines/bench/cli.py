@@ -513,13 +513,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             k: spread([r[n][k] for r in runs]) for k in metrics if not k.endswith("_median_wave") and runs[0][n][k]
         }
         if n in ours:
-            engine = engines[configs[names.index(n)][0]]
+            variant, spec = configs[names.index(n)]  # (configurations of one drafter share an engine)
+            engine = engines[variant]
             out["format"] = our_format(engine)
             c = engine.config
             out["settings"] = {
                 "drafter": c.drafter,
                 "spec_policy": c.spec_policy,
-                "tree": [c.spec_depth, c.spec_width, c.spec_budget],
+                "tree": [spec.depth, spec.width, spec.budget],
                 "multi_step": c.multi_step,
                 "quantization": c.quantization,
                 "dtype": c.dtype,

@@ -384,14 +384,23 @@ static inline void load_block(const Decoder *m, const void *cache, const uint16_
     }
 }
 
+/* Rows of one sequence whose keys differ past a shared prefix (a draft tree's nodes, each with its own ancestors):
+ * row r's keys of the tile are slots[r][0 .. count[r]), the first `shared` the same for every row (read once). */
+typedef struct {
+    const int64_t *const *slots;
+    const int64_t *count;
+    int64_t shared;
+} RowKeys;
+
 /* One tile of keys (slots[0..n), n <= KEY_TILE, of KV head kv_head) for `rows` query rows of `heads` query heads each
  * (query (r, h) at q + r q_row + h dim): row r sees the tile's first min(n, first + r) keys (none where that is not
- * positive). Writes each query's sum of p V, not normalised, to out + r out_row + h dim, and its maximum score and
- * sum of p to stats[2 (r heads + h)], [.. + 1] (-inf and 0 for a row that sees no key). scores: [rows heads][KEY_TILE]
- * scratch. Every query's arithmetic depends on its own query and keys alone (attention, above). */
+ * positive), or, with `own` (n then the most keys of a row), its own keys (RowKeys). Writes each query's sum of p V,
+ * not normalised, to out + r out_row + h dim, and its maximum score and sum of p to stats[2 (r heads + h)], [.. + 1]
+ * (-inf and 0 for a row that sees no key). scores: [rows heads][KEY_TILE] scratch. Every query's arithmetic depends
+ * on its own query and keys alone (attention, above): a block of keys past `shared` is read row by row. */
 static inline __attribute__((always_inline)) void attend_tile(const float *q, int64_t q_row, int64_t rows, int64_t heads, int64_t first, const Decoder *m,
                         const Layer *layer, int64_t kv_head, const int64_t *slots, int64_t n, float *out, int64_t out_row,
-                        float *stats, float *scores) {
+                        float *stats, float *scores, const RowKeys *own) {
     const int64_t dim = m->head_dim, vecs = dim / 8, stride = KEY_TILE;
     const int64_t size = cache_value_size(m), ahead = n < ATTEND_AHEAD ? n : ATTEND_AHEAD;
     const uint16_t *k_scale = m->cache_int8 ? layer->k_scale : NULL, *v_scale = m->cache_int8 ? layer->v_scale : NULL;
@@ -402,13 +411,16 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, in
     prefetch_head(layer->k_cache, slots, 0, ahead, row_len, kv_head, dim, size);
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), minus_inf = _mm256_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
-        load_block(m, layer->k_cache, k_scale, kv_head, slots, j0, n - j0, n, block);
+        const int shared = !own || j0 + ATTEND_KEYS <= own->shared;
+        if (shared) load_block(m, layer->k_cache, k_scale, kv_head, slots, j0, n - j0, n, block);
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t seen = (first + r < n ? first + r : n) - j0; /* this row's keys in the block, from its start */
+            const int64_t sees = own ? own->count[r] : first + r < n ? first + r : n;
+            const int64_t seen = sees - j0; /* this row's keys in the block, from its start */
             if (seen <= 0) {
                 for (int64_t h = 0; h < heads; h++) _mm256_storeu_ps(scores + (r * heads + h) * stride + j0, minus_inf);
                 continue;
             }
+            if (!shared) load_block(m, layer->k_cache, k_scale, kv_head, own->slots[r], j0, sees - j0, sees, block);
             const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)seen), _CMP_LT_OQ);
             for (int64_t h = 0; h < heads; h++) {
                 const float *qh = q + r * q_row + h * dim;
@@ -445,9 +457,12 @@ static inline __attribute__((always_inline)) void attend_tile(const float *q, in
         }
     prefetch_head(layer->v_cache, slots, 0, ahead, row_len, kv_head, dim, size);
     for (int64_t j0 = 0; j0 < n; j0 += ATTEND_KEYS) {
-        load_block(m, layer->v_cache, v_scale, kv_head, slots, j0, n - j0, n, block);
+        const int shared = !own || j0 + ATTEND_KEYS <= own->shared;
+        if (shared) load_block(m, layer->v_cache, v_scale, kv_head, slots, j0, n - j0, n, block);
         for (int64_t r = 0; r < rows; r++) {
-            if ((first + r < n ? first + r : n) <= j0) continue; /* none of this row's keys: its p are all 0 */
+            const int64_t sees = own ? own->count[r] : first + r < n ? first + r : n;
+            if (sees <= j0) continue; /* none of this row's keys: its p are all 0 */
+            if (!shared) load_block(m, layer->v_cache, v_scale, kv_head, own->slots[r], j0, sees - j0, sees, block);
             for (int64_t h0 = 0; h0 < heads; h0 += 4) { /* up to 4 heads x 16 values of sums in registers */
                 const int64_t hs = heads - h0 < 4 ? heads - h0 : 4;
                 for (int64_t i = 0; i < vecs; i += 2) {
@@ -516,7 +531,7 @@ static void attend_run_rows(const float *q, int64_t q_row, int64_t rows, int64_t
     float *stats = acc + MAX_QUERIES * dim, *run = stats + 2 * MAX_QUERIES; /* run: per query its maximum and total */
     for (int64_t c = 0; c * KEY_TILE < last; c++) {
         const int64_t k0 = c * KEY_TILE, n = last - k0 < KEY_TILE ? last - k0 : KEY_TILE;
-        attend_tile(q, q_row, rows, group, limit - k0, m, layer, kv_head, slots + k0, n, tile_out, group * dim, stats, scores);
+        attend_tile(q, q_row, rows, group, limit - k0, m, layer, kv_head, slots + k0, n, tile_out, group * dim, stats, scores, NULL);
         for (int64_t u = 0; u < queries; u++)
             fold_tile(acc + u * dim, run + 2 * u, run + 2 * u + 1, tile_out + u * dim, stats[2 * u], stats[2 * u + 1], c == 0, dim);
     }
@@ -890,12 +905,16 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     Blocks a = {malloc(T * widest), malloc(sizeof(float) * T * widest / GROUP), malloc(sizeof(float) * T * widest / GROUP)};
     int64_t *key_slots = malloc(sizeof(int64_t) * (one_by_one ? one_by_one : 1) * most_keys);
     int64_t *key_counts = malloc(sizeof(int64_t) * T);
-    float *scores = malloc(sizeof(float) * threads * group * KEY_TILE); /* attend_tile's, per thread */
-    /* the tiles of one-by-one tokens' keys (key_tiles), each a task: per tile its token, index, and, where a token
-     * has several, its results and softmax statistics until they are folded; per token its first tile */
+    /* a sequence's one-by-one tokens attend up to `tree_rows` at a time, sharing the keys they have in common */
+    const int64_t tree_rows = run_rows(group), scratch_floats = tree_rows * group * (KEY_TILE + D + 2);
+    float *scores = malloc(sizeof(float) * threads * scratch_floats); /* attend_tile's, then a task's outputs, per thread */
+    /* the tiles of one-by-one tokens' keys (key_tiles): where a token has several, each tile's results and softmax
+     * statistics until they are folded; per token its first tile */
     int64_t num_parts = 0;
     const int64_t heads = m->num_heads, parts_size = most_parts ? most_parts : 1;
-    int64_t *part_token = malloc(sizeof(int64_t) * parts_size), *part_index = malloc(sizeof(int64_t) * parts_size);
+    /* the attention tasks: per task its first token, rows (consecutive tokens of one sequence), tile, and how many
+     * leading keys its rows share */
+    int64_t num_tasks = 0, (*tasks)[4] = malloc(sizeof(int64_t[4]) * parts_size);
     int64_t *first_part = malloc(sizeof(int64_t) * (T + 1)); /* token t's parts: first_part[t] .. first_part[t + 1] */
     int64_t *prefetch = malloc(sizeof(int64_t) * PREFETCH_KEYS), num_prefetch = 0; /* their cache slots */
     float *part_out = malloc(sizeof(float) * parts_size * q_width), *part_stats = malloc(sizeof(float) * parts_size * heads * 2);
@@ -903,14 +922,15 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
      * out), else one (set once the tiles are known); a query's numbers are the same either way */
     int64_t head_group = 1, head_tasks = m->num_kv_heads;
     const int failed = runs_failed || rows_failed || !key_row || !h || !wide || !act || !a.xq || !a.dx || !a.sx || !key_slots ||
-                       !key_counts || !scores || !part_token || !part_index || !first_part || !part_out || !part_stats ||
-                       !prefetch;
+                       !key_counts || !scores || !first_part || !part_out || !part_stats ||
+                       !prefetch || !tasks;
     int reduce_status = 0;
     int64_t late_rank = 0;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *my_scores = scores + omp_get_thread_num() * group * KEY_TILE;
+            float *my_scores = scores + omp_get_thread_num() * scratch_floats;
+            float *my_out = my_scores + tree_rows * group * KEY_TILE, *my_stats = my_out + tree_rows * group * D;
             double mark = omp_get_wtime();
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
@@ -921,13 +941,31 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     first_part[t] = num_parts;
                     if (key_row[t] < 0) continue;
                     const int64_t parts = key_tiles(key_counts[t]);
-                    for (int64_t c = 0; c < parts; c++) part_token[num_parts] = t, part_index[num_parts++] = c;
+                    num_parts += parts;
                     if (b->parents[t] >= 0) continue; /* a tree node or chain token past the first: its sequence's keys are listed */
                     for (int64_t j = 0; j < key_counts[t] && num_prefetch < PREFETCH_KEYS; j++)
                         prefetch[num_prefetch++] = key_slots[key_row[t] * most_keys + j];
                 }
                 first_part[T] = num_parts;
-                if (num_parts >= 8 * threads) head_group = m->num_kv_heads, head_tasks = 1;
+                for (int64_t q = 0; q < b->num_seqs; q++) {
+                    const int64_t end = b->query_start[q + 1], cached = b->seq_lens[q] - (end - b->query_start[q]);
+                    for (int64_t t0 = b->query_start[q] + run_tokens(b, q); t0 < end; t0 += tree_rows) {
+                        const int64_t rows = end - t0 < tree_rows ? end - t0 : tree_rows;
+                        int64_t least = key_counts[t0], most = key_counts[t0], shared = cached;
+                        for (int64_t r = 1; r < rows; r++) {
+                            if (key_counts[t0 + r] < least) least = key_counts[t0 + r];
+                            if (key_counts[t0 + r] > most) most = key_counts[t0 + r];
+                        }
+                        for (int same = 1; same && shared < least; shared += same) /* the context, and ancestors in common */
+                            for (int64_t r = 1; r < rows && same; r++)
+                                same = key_slots[key_row[t0 + r] * most_keys + shared] == key_slots[key_row[t0] * most_keys + shared];
+                        for (int64_t c = 0; c < key_tiles(most); c++) {
+                            tasks[num_tasks][0] = t0, tasks[num_tasks][1] = rows, tasks[num_tasks][2] = c;
+                            tasks[num_tasks++][3] = shared;
+                        }
+                    }
+                }
+                if (num_tasks >= 8 * threads) head_group = m->num_kv_heads, head_tasks = 1;
             }
             int64_t l = 0;
             for (; l < m->num_layers; l++) {
@@ -962,18 +1000,41 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
                     }
                 }
 #pragma omp for schedule(dynamic, 1) /* tasks differ in length: a long context beside short ones */
-                for (int64_t task = 0; task < num_parts * head_tasks; task++) {
-                    const int64_t j = task / head_tasks, t = part_token[j], tiles = key_tiles(key_counts[t]);
-                    const int64_t k0 = part_index[j] * KEY_TILE, n = key_counts[t] - k0 < KEY_TILE ? key_counts[t] - k0 : KEY_TILE;
-                    const int64_t *slots = key_slots + key_row[t] * most_keys + k0;
+                for (int64_t task = 0; task < num_tasks * head_tasks; task++) {
+                    const int64_t *which = tasks[task / head_tasks], t0 = which[0], rows = which[1], c = which[2], k0 = c * KEY_TILE;
+                    const int64_t *row_slots[16], *slots = key_slots + key_row[t0] * most_keys + k0;
+                    int64_t row_count[16], n = 0;
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t left = key_counts[t0 + r] - k0;
+                        row_count[r] = left < 0 ? 0 : left < KEY_TILE ? left : KEY_TILE;
+                        row_slots[r] = key_slots + key_row[t0 + r] * most_keys + k0;
+                        if (row_count[r] > n) n = row_count[r], slots = row_slots[r];
+                    }
+                    const RowKeys own = {row_slots, row_count, which[3] - k0 < 0 ? 0 : which[3] - k0};
                     for (int64_t kv_head = task % head_tasks * head_group; kv_head < (task % head_tasks + 1) * head_group; kv_head++) {
                         const int64_t at = kv_head * group * D; /* the KV head's first query head, in q and out */
-                        float own[32]; /* a one-tile token's statistics (group <= 16) */
-                        float *out = tiles == 1 ? act + t * q_width + at : part_out + j * q_width + at;
-                        float *stats = tiles == 1 ? own : part_stats + (j * heads + kv_head * group) * 2;
-                        attend_tile(wide + t * qkv_width + at, 0, 1, group, n, m, layer, kv_head, slots, n, out, 0, stats, my_scores);
-                        if (tiles == 1)
-                            for (int64_t h = 0; h < group; h++) finish_query(out + h * D, stats[2 * h + 1], D, out + h * D);
+                        const int64_t tiles = key_tiles(key_counts[t0]), j = first_part[t0] + c;
+                        if (rows == 1) { /* a decode, or a sequence's last token: straight to its output */
+                            float *out = tiles == 1 ? act + t0 * q_width + at : part_out + j * q_width + at;
+                            float *stats = tiles == 1 ? my_stats : part_stats + (j * heads + kv_head * group) * 2;
+                            attend_tile(wide + t0 * qkv_width + at, 0, 1, group, n, m, layer, kv_head, slots, n, out, 0, stats, my_scores, NULL);
+                            if (tiles == 1)
+                                for (int64_t h = 0; h < group; h++) finish_query(out + h * D, stats[2 * h + 1], D, out + h * D);
+                            continue;
+                        }
+                        attend_tile(wide + t0 * qkv_width + at, qkv_width, rows, group, 0, m, layer, kv_head, slots, n, my_out,
+                                    group * D, my_stats, my_scores, &own);
+                        for (int64_t r = 0; r < rows; r++) {
+                            const int64_t t = t0 + r, jr = first_part[t] + c;
+                            const float *o = my_out + r * group * D, *st = my_stats + r * group * 2;
+                            if (row_count[r] == 0) continue; /* the row's keys end before this tile */
+                            if (key_tiles(key_counts[t]) == 1) {
+                                for (int64_t h = 0; h < group; h++) finish_query(o + h * D, st[2 * h + 1], D, act + t * q_width + at + h * D);
+                                continue;
+                            }
+                            memcpy(part_out + jr * q_width + at, o, sizeof(float) * group * D);
+                            memcpy(part_stats + (jr * heads + kv_head * group) * 2, st, sizeof(float) * group * 2);
+                        }
                     }
                 }
                 if (num_parts > one_by_one) { /* some token's keys went in several tiles: fold them in key order */
@@ -1041,8 +1102,7 @@ int decoder_forward(const Decoder *m, Batch *b, float *x, int threads) {
     free(key_slots);
     free(key_counts);
     free(scores);
-    free(part_token);
-    free(part_index);
+    free(tasks);
     free(first_part);
     free(part_out);
     free(part_stats);

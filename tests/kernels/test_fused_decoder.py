@@ -389,6 +389,51 @@ def test_a_row_does_not_depend_on_its_batch(layout, contexts):
         assert torch.equal(row[0], batch[1 + node]), f"depth {depth}"
 
 
+# A tree of 21 nodes (more than one task's rows: its nodes attend in two groups), branching at several depths.
+WIDE_TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 7, 8, 9, 10, 12, 12, 13, 16, 19]
+
+
+@pytest.mark.parametrize("cached", [9, 250, 300], ids=["one-tile", "across-tiles", "second-tile"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+def test_every_tree_node_attends_as_its_path_decoded_alone(cached, cache_dtype):
+    """A draft tree's nodes attend together, sharing the keys they have in common (the context, their common
+    ancestors), each reading its own ancestors past them: every node's output equals decoding its path one token
+    at a time, bit for bit, with its keys in one tile, across the boundary of two, or in the second."""
+    model = tiny_model(2, "vnni", heads=(8, 2, 32))  # 4 query heads a KV head: 16 rows a task
+    kv = PagedKVCache(2, 2, 32, 200, BLOCK, cache_dtype, "cpu")
+    kv.allocate("pad", 5)
+    kv.allocate("tree", cached + len(WIDE_TREE))
+    tree = SequenceLayout(kv.block_tables["tree"], cached, len(WIDE_TREE), WIDE_TREE)
+    kv.allocate("path", cached + 8)
+    fill_random(kv)
+    decoder = fused_decoder.FusedDecoder(model, kv)
+    positions = positions_of([tree])
+    x = torch.randn(len(WIDE_TREE), 160)
+    snapshot = (kv.k.clone(), kv.v.clone(), None if kv.k_scale is None else (kv.k_scale.clone(), kv.v_scale.clone()))
+    batch = decoder(x.clone(), positions, build_attention_metadata([tree], BLOCK, "cpu", cpu_groups=False))
+    table = kv.block_tables["path"]
+    context, mine = (sequence_slots(t, BLOCK, 0, cached) for t in (tree.block_table, table))
+    for node in range(len(WIDE_TREE)):
+        path = [node]
+        while WIDE_TREE[path[0]] >= 0:
+            path.insert(0, WIDE_TREE[path[0]])
+        kv.k.copy_(snapshot[0])
+        kv.v.copy_(snapshot[1])
+        if snapshot[2] is not None:
+            kv.k_scale.copy_(snapshot[2][0])
+            kv.v_scale.copy_(snapshot[2][1])
+        for cache in [kv.k, kv.v] + ([] if snapshot[2] is None else [kv.k_scale, kv.v_scale]):
+            cache[:, mine] = cache[:, context]
+        for depth, step_node in enumerate(path):
+            step = SequenceLayout(table, cached + depth, 1)
+            row = decoder(
+                x[step_node : step_node + 1].clone(),
+                torch.tensor([cached + depth]),
+                build_attention_metadata([step], BLOCK, "cpu", cpu_groups=False),
+            )
+        assert torch.equal(row[0], batch[node]), f"node {node}"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_an_integer_dot_row_does_not_depend_on_the_rows_beside_it(kind, layout):
