@@ -79,6 +79,8 @@ class SpecDecodeExecutor:
         self.num_forwards = 0
         # the last step's kind, tokens emitted, phases' seconds and own seconds, until the engine has applied it
         self._last_step: tuple[str, int, dict[str, float], float] | None = None
+        # the last step's outcome kind for the policy ("text", "plain"; None: not one it compares), and requests
+        self._last_outcome: tuple[str | None, int] = (None, 0)
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
@@ -90,6 +92,12 @@ class SpecDecodeExecutor:
                 self.drafter.on_cached_prefix(req, num_cached)
         record = StepRecord(num_tokens=0, target_s=0.0)
         drafts = self._draft(scheduled, record)
+        # what the policy compares: steps of decoding requests only that verified the text drafter's trees or none
+        drafted = [s.request for s, tree in zip(scheduled, drafts, strict=True) if tree is not None]
+        outcome = "plain" if not drafted else "text" if self._text_drafted(drafted[0]) else None
+        if any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in scheduled):
+            outcome = None
+        self._last_outcome = (outcome, len(scheduled))
         steps = self._multi_steps(scheduled, drafts) if not record.num_drafted else 1
         if steps > 1:
             results = self._execute_multi_step(scheduled, steps, record)
@@ -134,6 +142,9 @@ class SpecDecodeExecutor:
         kind, emitted, phases, own_s = self._last_step
         self._last_step = None
         self.policy.observe_host(max(0.0, total_s - own_s))
+        outcome, num_seqs = self._last_outcome
+        if outcome is not None:
+            self.policy.observe_outcome(outcome, num_seqs, emitted, total_s)
         self.profile.add_step(kind, emitted, phases, total_s)
 
     def on_finished(self, request: Request) -> None:

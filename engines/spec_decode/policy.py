@@ -128,6 +128,10 @@ class SpeculationPolicy(ABC):
     def observe_host(self, seconds: float) -> None:  # noqa: B027 - optional hook
         """An engine step's time outside the executor (scheduling, applying results)."""
 
+    def observe_outcome(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:  # noqa: B027
+        """An engine step of decoding requests only, `num_seqs` of them, emitted `tokens` in `seconds` all told:
+        `kind` "text" where it verified the text drafter's trees, "plain" where it verified none."""
+
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:  # noqa: B027
         """A verified tree and its accepted path (node indices, root first)."""
 
@@ -196,6 +200,10 @@ class AdaptiveSettings:
     # even gains nothing when the prediction is right, and for such a request the prediction spreads
     # the reading over steps it may not draft in, so it tends to be optimistic
     min_advantage: float = 0.03
+    # steps of each kind at a batch size (`_TextOutcomes`) before text drafts are judged by what they delivered
+    # there, and text plans refused, while they delivered less than plain steps, between two let through
+    outcome_samples: int = 8
+    text_recheck_every: int = 32
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     # standard errors of the shape table's first-level acceptance (over every draft behind it) added in
     # the search, an upper confidence bound: an option that a few unlucky first drafts put just below
@@ -258,6 +266,11 @@ class _RequestState:
     idle_steps: int = 0  # steps since it last drafted
     history: bool = False  # whether it has been allocated at least once
     read_upto: int = 1  # its tokens when it last drafted: the drafter has read the context before the last
+
+
+def _batch_class(num_seqs: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, 9-16, ...: 0, 1, 2, 3, 4, ..."""
+    return max(num_seqs - 1, 0).bit_length()
 
 
 @dataclass
@@ -402,6 +415,10 @@ class AdaptivePolicy(SpeculationPolicy):
     _text_plans_since_plain: int = 0  # text-draft plans in a row that kept a draft
     _text_idle: int = 0  # text-draft plans in a row that kept none
     _text_skipped: int = 0  # steps since the text drafter was last asked
+    # per batch-size class (`_batch_class`): tokens per second that steps which verified text drafts delivered, and
+    # steps which verified nothing; text plans refused in a row where the former fell below the latter
+    text_outcomes: dict[int, tuple[_Ema, _Ema]] = field(default_factory=dict)
+    _text_refused: int = 0
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
@@ -663,6 +680,11 @@ class AdaptivePolicy(SpeculationPolicy):
         if self._text_plans_since_plain >= self.settings.plain_every:  # a plain step: its price stays measured
             self._text_plans_since_plain = 0
             return [None] * n
+        if self._text_losing(n):  # priced to pay, text drafts delivered less than plain steps at this batch size
+            self._text_refused += 1
+            if self._text_refused % self.settings.text_recheck_every:  # (now and then one goes through: re-measured)
+                self._text_idle += 1  # asked less often, as when nothing pays
+                return [None] * n
         base = n + other_tokens
         host = self.host_s.value
         plain_s = self._plain_step_s(n, base, context, plain_steps)
@@ -693,6 +715,24 @@ class AdaptivePolicy(SpeculationPolicy):
         self._text_plans_since_plain = self._text_plans_since_plain + 1 if counts else 0
         self._text_idle = 0 if counts else self._text_idle + 1
         return out
+
+    def _text_losing(self, num_seqs: int) -> bool:
+        """Whether, at this batch size, steps that verified text drafts have lately delivered fewer tokens a second
+        (their whole time: drafting, the target, verification, the engine's own) than steps that verified none."""
+        outcome = self.text_outcomes.get(_batch_class(num_seqs))
+        if outcome is None:
+            return False
+        text, plain = outcome
+        enough = min(text.count, plain.count) >= self.settings.outcome_samples
+        return enough and text.value < plain.value
+
+    def observe_outcome(self, kind: str, num_seqs: int, tokens: int, seconds: float) -> None:
+        if kind not in ("text", "plain") or seconds <= 0:
+            return
+        text, plain = self.text_outcomes.setdefault(_batch_class(num_seqs), (_Ema(weight=0.1), _Ema(weight=0.05)))
+        (text if kind == "text" else plain).add(tokens / seconds)
+        if kind == "text" and not self._text_losing(num_seqs):
+            self._text_refused = 0
 
     def wants_text_drafts(self) -> bool:
         """After plans in a row that kept no text draft, ask again only every 2, 4, ... up to
