@@ -113,8 +113,9 @@ class SpeculationPolicy(ABC):
     def observe_text(self, tree: DraftTree, path: list[int]) -> None:  # noqa: B027 - optional hook
         """A verified text-drafter tree and its accepted path (node indices, root first)."""
 
-    def wants_text_drafts(self) -> bool:
-        """Whether this step should ask the text drafter at all (it costs tens of microseconds a request)."""
+    def wants_text_drafts(self, num_seqs: int) -> bool:
+        """Whether this step of `num_seqs` requests should ask the text drafter at all (it costs tens of
+        microseconds a request)."""
         return True
 
     def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
@@ -200,8 +201,8 @@ class AdaptiveSettings:
     # even gains nothing when the prediction is right, and for such a request the prediction spreads
     # the reading over steps it may not draft in, so it tends to be optimistic
     min_advantage: float = 0.03
-    # steps of each kind at a batch size (`_TextOutcomes`) before text drafts are judged by what they delivered
-    # there, and text plans refused, while they delivered less than plain steps, between two let through
+    # steps of each kind at a batch size (`text_outcomes`) before text drafts are judged by what they delivered
+    # there, and steps without asking the text drafter, while its drafts delivered less, between two that ask
     outcome_samples: int = 8
     text_recheck_every: int = 32
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
@@ -416,7 +417,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _text_idle: int = 0  # text-draft plans in a row that kept none
     _text_skipped: int = 0  # steps since the text drafter was last asked
     # per batch-size class (`_batch_class`): tokens per second that steps which verified text drafts delivered, and
-    # steps which verified nothing; text plans refused in a row where the former fell below the latter
+    # steps which verified nothing; steps not asking the text drafter in a row where the former fell below the latter
     text_outcomes: dict[int, tuple[_Ema, _Ema]] = field(default_factory=dict)
     _text_refused: int = 0
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
@@ -680,11 +681,6 @@ class AdaptivePolicy(SpeculationPolicy):
         if self._text_plans_since_plain >= self.settings.plain_every:  # a plain step: its price stays measured
             self._text_plans_since_plain = 0
             return [None] * n
-        if self._text_losing(n):  # priced to pay, text drafts delivered less than plain steps at this batch size
-            self._text_refused += 1
-            if self._text_refused % self.settings.text_recheck_every:  # (now and then one goes through: re-measured)
-                self._text_idle += 1  # asked less often, as when nothing pays
-                return [None] * n
         base = n + other_tokens
         host = self.host_s.value
         plain_s = self._plain_step_s(n, base, context, plain_steps)
@@ -734,9 +730,14 @@ class AdaptivePolicy(SpeculationPolicy):
         if kind == "text" and not self._text_losing(num_seqs):
             self._text_refused = 0
 
-    def wants_text_drafts(self) -> bool:
-        """After plans in a row that kept no text draft, ask again only every 2, 4, ... up to
-        `idle_search_every` plans (drafting from the text costs every request's lookup each time)."""
+    def wants_text_drafts(self, num_seqs: int) -> bool:
+        """Not at a batch size where steps that verified text drafts have lately delivered fewer tokens a second than
+        plain steps (`_text_losing`; every `text_recheck_every`-th step there, so that stays measured); and after plans
+        in a row that kept no text draft, only every 2, 4, ... up to `idle_search_every` plans (drafting from the text
+        costs every request's lookup each time)."""
+        if self._text_losing(num_seqs):
+            self._text_refused += 1
+            return self._text_refused % self.settings.text_recheck_every == 0
         self._text_skipped += 1
         gap = min(self.settings.idle_search_every, 1 << min(self._text_idle, 30))
         if self._text_skipped >= gap:

@@ -165,33 +165,32 @@ def test_the_text_drafter_is_asked_less_often_while_its_drafts_do_not_pay():
     unlikely = DraftTree.chain(0, [1, 2], [1.0, 0.01, 0.001])
     asked = []
     for step in range(64):
-        if policy.wants_text_drafts():
+        if policy.wants_text_drafts(1):
             asked.append(step)
             assert policy.choose_text_drafts([request("a", [1])], [unlikely], 0) == [None]
     gaps = [b - a for a, b in itertools.pairwise(asked)]
     assert gaps[:4] == [2, 4, 8, 16] and set(gaps[4:]) == {16}  # doubling, up to idle_search_every
     sure = DraftTree.chain(0, [1, 2], [1.0, 1.0, 1.0])
-    while not policy.wants_text_drafts():
+    while not policy.wants_text_drafts(1):
         pass
     assert policy.choose_text_drafts([request("a", [1])], [sure], 0) == [sure]
-    assert policy.wants_text_drafts()  # kept one: asked every step again
+    assert policy.wants_text_drafts(1)  # kept one: asked every step again
 
 
-def test_text_drafts_priced_to_pay_stop_where_they_delivered_less_than_plain_steps():
-    """Drafts the cost model prices as paying are refused at a batch size where steps that verified text drafts have
-    delivered fewer tokens a second than plain steps, one now and then let through to measure them again; another
-    batch size keeps them, and text steps that deliver again end the refusals."""
+def test_text_drafts_are_not_asked_for_where_they_delivered_less_than_plain_steps():
+    """Drafts the cost model prices as paying are not even proposed at a batch size where steps that verified text
+    drafts have delivered fewer tokens a second than plain steps, one step in 32 asking to measure them again;
+    another batch size keeps asking, and text steps that deliver again end it."""
     policy = cheap_verification_policy()
     sure = DraftTree.chain(0, list(range(1, 9)), [1.0] * 9)
     batch = [request(f"r{i}", [1]) for i in range(32)]
-    trees = [sure] + [None] * 31
-    assert policy.choose_text_drafts(batch, trees, 0)[0] == sure  # priced: 8 tokens for 1.8 ms more
+    assert policy.wants_text_drafts(32)
+    assert policy.choose_text_drafts(batch, [sure] + [None] * 31, 0)[0] == sure  # priced: 8 tokens for 1.8 ms more
     for _ in range(10):  # as measured: text steps 34 tokens in 59 ms, plain steps 32 in 46 ms
         policy.observe_outcome("text", 32, 34, 0.059)
         policy.observe_outcome("plain", 32, 32, 0.046)
-    kept = [policy.choose_text_drafts(batch, trees, 0)[0] for _ in range(64)]
-    assert [i for i, tree in enumerate(kept) if tree is not None] == [31, 63]  # every 32nd plan re-measures
-    assert policy.choose_text_drafts(batch[:2], [sure, None], 0)[0] == sure  # batch 2: nothing measured there
+    assert [step for step in range(64) if policy.wants_text_drafts(32)] == [31, 63]
+    assert policy.wants_text_drafts(2)  # batch 2: nothing measured there
     for _ in range(10):
         policy.observe_outcome("text", 32, 40, 0.046)
-    assert policy.choose_text_drafts(batch, trees, 0)[0] == sure
+    assert policy.wants_text_drafts(32)
