@@ -226,6 +226,8 @@ class SpecDecodeExecutor:
             # option is priced against plain decoding as it runs, which a step that verifies text trees no
             # longer is, and its catch-up and levels cost the step as much for one request as for many.
             self.drafter.use_text(set())
+            if self.policy.probes_plain(len(scheduled)):
+                return drafts
             if self.policy.wants_text_drafts(len(scheduled)) and self._draft_text(
                 scheduled, granted, other_tokens, context, plain_steps, drafts, record
             ):

@@ -118,6 +118,11 @@ class SpeculationPolicy(ABC):
         microseconds a request)."""
         return True
 
+    def probes_plain(self, num_seqs: int) -> bool:
+        """Whether this step of `num_seqs` requests drafts nothing at all, so that plain steps at its batch size
+        are measured beside steps that verify text drafts (`observe_outcome`)."""
+        return False
+
     def observe_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Measured costs of the step that just ran."""
 
@@ -205,6 +210,7 @@ class AdaptiveSettings:
     # there, and steps without asking the text drafter, while its drafts delivered less, between two that ask
     outcome_samples: int = 8
     text_recheck_every: int = 32
+    text_lead: float = 1.25
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     # standard errors of the shape table's first-level acceptance (over every draft behind it) added in
     # the search, an upper confidence bound: an option that a few unlucky first drafts put just below
@@ -420,6 +426,7 @@ class AdaptivePolicy(SpeculationPolicy):
     # steps which verified nothing; steps not asking the text drafter in a row where the former fell below the latter
     text_outcomes: dict[int, tuple[_Ema, _Ema]] = field(default_factory=dict)
     _text_refused: int = 0
+    _plain_probes: int = 0  # steps that might have verified text drafts while they delivered more than plain steps
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
     _search: _Search | None = None  # the last shape search, while it may be reused
@@ -729,6 +736,25 @@ class AdaptivePolicy(SpeculationPolicy):
         (text if kind == "text" else plain).add(tokens / seconds)
         if kind == "text" and not self._text_losing(num_seqs):
             self._text_refused = 0
+
+    def probes_plain(self, num_seqs: int) -> bool:
+        """At a batch size where steps have verified text drafts: while fewer than `outcome_samples` plain steps were
+        measured there, every step after a text step; then, while text drafts deliver more, one step in
+        `text_recheck_every` (4 times as many while they deliver `text_lead` times plain steps' tokens a second; where
+        they deliver less, most steps there are plain already)."""
+        outcome = self.text_outcomes.get(_batch_class(num_seqs))
+        if outcome is None:
+            return False
+        text, plain = outcome
+        if plain.count < self.settings.outcome_samples:
+            return text.count > plain.count
+        if self._text_losing(num_seqs):
+            return False
+        self._plain_probes += 1
+        every = self.settings.text_recheck_every
+        if text.value > self.settings.text_lead * plain.value:  # a probe costs more the further text drafts lead
+            every *= 4
+        return self._plain_probes % every == 0
 
     def wants_text_drafts(self, num_seqs: int) -> bool:
         """Not at a batch size where steps that verified text drafts have lately delivered fewer tokens a second than

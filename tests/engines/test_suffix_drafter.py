@@ -194,3 +194,29 @@ def test_text_drafts_are_not_asked_for_where_they_delivered_less_than_plain_step
     for _ in range(10):
         policy.observe_outcome("text", 32, 40, 0.046)
     assert policy.wants_text_drafts(32)
+
+
+def test_plain_steps_are_measured_where_every_step_would_verify_text_drafts():
+    """Where text drafts are kept every step, plain steps are measured too: every other step until `outcome_samples`
+    of them were, then one in 32 while text steps deliver more; a batch size without text steps is never probed."""
+    policy = cheap_verification_policy()
+    samples, every = policy.settings.outcome_samples, policy.settings.text_recheck_every
+    assert not policy.probes_plain(32)
+    kinds = []
+    for _ in range(2 * samples + 4):
+        kind = "plain" if policy.probes_plain(32) else "text"
+        kinds.append(kind)
+        policy.observe_outcome(kind, 32, 32 if kind == "plain" else 36, 0.046)
+    assert kinds[: 2 * samples] == ["text", "plain"] * samples  # alternating until plain steps were measured enough
+    assert kinds[2 * samples :] == ["text"] * 4
+    probes = [step for step in range(2 * every) if policy.probes_plain(32)]
+    assert len(probes) == 2 and probes[1] - probes[0] == every
+    for _ in range(4 * samples):  # far ahead (twice plain steps' tokens a second): probed a quarter as often
+        policy.observe_outcome("text", 32, 64, 0.046)
+    probes = [step for step in range(8 * every) if policy.probes_plain(32)]
+    assert len(probes) == 2 and probes[1] - probes[0] == 4 * every
+    assert not policy.probes_plain(2)
+    for _ in range(4 * samples):  # text steps now deliver less: they are refused, not probed around
+        policy.observe_outcome("text", 32, 33, 0.059)
+    assert not any(policy.probes_plain(32) for _ in range(2 * every))
+    assert not policy.wants_text_drafts(32)
