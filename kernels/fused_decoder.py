@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -187,6 +188,15 @@ def profile(on: bool) -> dict[str, float]:
     out = (ctypes.c_double * len(PHASES))()
     lib.decoder_profile(int(on), out)
     return dict(zip(PHASES, list(out), strict=True))
+
+
+_native_seconds = [0.0]  # every native forward's and greedy call's wall time, in all
+
+
+def native_seconds() -> float:
+    """Seconds this process has spent inside the fused decoder's native forwards and greedy calls, in all: where a
+    step's forward phase went to the layers rather than to the Python that prepared them."""
+    return _native_seconds[0]
 
 
 def max_rows() -> int:
@@ -418,7 +428,9 @@ class _Layers:
         decoder.c): ValueError or IndexError name the first bad one."""
         x, batch, held = self._batch(x, positions, slots, query_start, seq_lens, tables, parents, runs)
         lib, threads = integer_dot.library(), torch.get_num_threads()
+        start = time.perf_counter()
         code = lib.decoder_forward(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads)
+        _native_seconds[0] += time.perf_counter() - start
         self._check(code, batch, *held)
         return x
 
@@ -461,8 +473,10 @@ class _Layers:
         hidden = torch.empty(steps, B, self.cfg.hidden_size)
         tokens = torch.empty(steps, B, dtype=torch.int64)
         lib, threads = integer_dot.library(), torch.get_num_threads()
+        start = time.perf_counter()
         code = lib.decoder_greedy(ctypes.byref(self.decoder), ctypes.byref(batch), x.data_ptr(), threads,
                                   ctypes.byref(head.struct), steps, hidden.data_ptr(), tokens.data_ptr())  # fmt: skip
+        _native_seconds[0] += time.perf_counter() - start
         if code == _BAD_TOKEN:
             raise IndexError(f"sequence {batch.bad}'s token is not one of the {head.struct.embed_rows} embeddings")
         self._check(code, batch, *held)

@@ -1,10 +1,14 @@
-"""Where an engine step's time goes: wall time and tokens/s per step, device time, kernel launches and
-host-device copies per step, the Python lines that wait on the device, and the top operators.
+"""Where an engine step's time goes: wall time and tokens/s per step, each phase of the steps (the executor's step
+profile: scheduler and engine updates, policy, drafting, the forward's launch and the forward itself, verification,
+KV commit) and the share outside the forward, device time, kernel launches and host-device copies per step, the
+Python lines that wait on the device, and the top operators. On CPU the forward is the fused decoder's native calls.
 
     python scripts/step_profile.py --device cuda --configs none:1,none:16,lyanna:1,lyanna:16 [--eager-too]
+    python scripts/step_profile.py --device cpu --configs none:32,served:16,served:64
 
-Each configuration is DRAFTER:BATCH (trees 3:2:6 under the fixed policy); `--eager-too` runs each again with
-`enforce_eager` (no CUDA graphs). `--check` first compares greedy outputs with and without CUDA graphs.
+Each configuration is DRAFTER:BATCH (trees 3:2:6 under the fixed policy; `served`: the serve config's engine);
+`--eager-too` runs each again with `enforce_eager` (no CUDA graphs). `--check` first compares greedy outputs with
+and without CUDA graphs.
 Prompts: a prompts file (`--prompts`, engines.datasets' format) or ShareGPT's held-out side.
 """
 
@@ -17,16 +21,21 @@ import warnings
 
 import torch
 
+from engines.bench.cli import served_settings
 from engines.datasets import read_prompt_file, sharegpt_prompts
 from engines.engine import LLMEngine
 from engines.engine_config import EngineConfig
 from engines.sampling import SamplingParams
+from engines.spec_decode.stats import PHASES, StepProfile
 
 TREES = {"spec_policy": "fixed", "spec_depth": 3, "spec_width": 2, "spec_budget": 6}
 
 
 def make_engine(args: argparse.Namespace, drafter: str, eager: bool, dtype: str | None = None) -> LLMEngine:
-    """An engine of the profiled settings."""
+    """An engine of the profiled settings; drafter "served" runs the serve config's `engine:` block."""
+    if drafter == "served":
+        settings = served_settings() | {"max_num_seqs": max(served_settings().get("max_num_seqs", 1), 64)}
+        return LLMEngine(EngineConfig(**settings | {"enforce_eager": eager}))
     extra = TREES if drafter != "none" else {}
     dtype = dtype or args.dtype
     return LLMEngine(EngineConfig(device=args.device, dtype=dtype, drafter=drafter, enforce_eager=eager, **extra))
@@ -70,11 +79,13 @@ def profile(args: argparse.Namespace, prompts: list, drafter: str, batch: int, e
         engine.step()
     sync(args.device)
     emitted = sum(len(r.output_token_ids) for r in reqs)
+    engine.executor.profile = StepProfile()  # the timed steps' phases alone
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync(args.device)
     wall = (time.perf_counter() - start) / args.steps
+    phases = engine.executor.profile.breakdown()
     tokens = (sum(len(r.output_token_ids) for r in reqs) - emitted) / args.steps
     cuda = args.device.startswith("cuda")
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -103,8 +114,26 @@ def profile(args: argparse.Namespace, prompts: list, drafter: str, batch: int, e
     )
     for where, count in waits.most_common(8):
         print(f"   waits {count / 3:.0f} a step at {where}")
+    print_phases(phases)
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.ops, max_name_column_width=48))
     engine.shutdown()
+
+
+def print_phases(phases: dict[str, dict[str, float]]) -> None:
+    """The timed steps' phases by kind of step (ms a step) and the share of their time outside the model's forward:
+    the scheduler, the policy and drafters, the forward's launch, sampling and verification, the KV commit and the
+    engine's updates (detokenizing, stop checks)."""
+    columns = ("steps", "tokens_per_step", *PHASES, "total")
+    print("   " + " ".join(f"{c:>9.9s}" for c in ("kind", *columns)) + "  outside the forward")
+    for kind, row in phases.items():
+        cells = " ".join(f"{row[c]:9d}" if c == "steps" else f"{row[c]:9.2f}" for c in columns)
+        print(f"   {kind:>9s} {cells}  {100 * (1 - row['forward'] / row['total']):.1f}%")
+    steps = sum(row["steps"] for row in phases.values())
+    total = sum(row["steps"] * row["total"] for row in phases.values())
+    forward = sum(row["steps"] * row["forward"] for row in phases.values())
+    if steps and total:
+        outside = 100 * (1 - forward / total)
+        print(f"   all {steps} steps: {total / steps:.2f} ms a step, {outside:.1f}% outside the forward")
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ class SpecStats:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_depth, self.reached_depth, strict=True)]
 
 
-PHASES = ("policy", "catch_up", "draft", "forward", "verify", "commit", "host")
+PHASES = ("policy", "catch_up", "draft", "launch", "forward", "verify", "commit", "host")
 
 
 @dataclass
@@ -65,9 +65,11 @@ class StepProfile:
     """Where engine steps' time went, by kind of step: "tree" (a step that verified drafts), "plain" (one
     decode or prompt step without drafts) and "multi" (several plain decode steps in one call). Per kind:
     steps, tokens emitted, and seconds per phase: the policy's planning and allocation, the drafter's
-    catch-up (reading new context) and drafting, the target forward, sampling and verification (with the
-    step's host copy), the accepted paths' KV commit and the drafter's bookkeeping, and `host`: the engine's
-    time outside the executor (scheduling, applying results) plus the executor's own glue."""
+    catch-up (reading new context) and drafting, the launch of the target forward (the step's plan, its attention
+    metadata, the Python around the model's native calls), the target forward (where the fused CPU decoder ran
+    it, its native calls alone), sampling and verification (with the step's host copy), the accepted paths' KV
+    commit and the drafter's bookkeeping, and `host`: the engine's time outside the executor (scheduling, applying
+    results) plus the executor's own glue."""
 
     steps: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
