@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from engines.bench.cli import served_settings
+from engines.bench.cli import served_engine_config
 from engines.datasets import read_prompt_file, sharegpt_prompts
 from engines.engine import LLMEngine
 from engines.engine_config import EngineConfig
@@ -31,11 +31,13 @@ from engines.spec_decode.stats import PHASES, StepProfile
 TREES = {"spec_policy": "fixed", "spec_depth": 3, "spec_width": 2, "spec_budget": 6}
 
 
-def make_engine(args: argparse.Namespace, drafter: str, eager: bool, dtype: str | None = None) -> LLMEngine:
+def make_engine(args: argparse.Namespace, drafter: str, eager: bool, dtype: str | None = None,
+                batch: int = 1) -> LLMEngine:  # fmt: skip
     """An engine of the profiled settings; drafter "served" runs the serve config's `engine:` block."""
     if drafter == "served":
-        settings = served_settings() | {"max_num_seqs": max(served_settings().get("max_num_seqs", 1), 64)}
-        return LLMEngine(EngineConfig(**settings | {"enforce_eager": eager}))
+        # (prefix caching as the other configurations have it: the engine's default)
+        served = served_engine_config(batch, EngineConfig.model_fields["enable_prefix_caching"].default)
+        return LLMEngine(served.model_copy(update={"enforce_eager": eager}))
     extra = TREES if drafter != "none" else {}
     dtype = dtype or args.dtype
     return LLMEngine(EngineConfig(device=args.device, dtype=dtype, drafter=drafter, enforce_eager=eager, **extra))
@@ -72,7 +74,7 @@ def check(args: argparse.Namespace, prompts: list) -> None:
 def profile(args: argparse.Namespace, prompts: list, drafter: str, batch: int, eager: bool) -> None:
     """One configuration: timed steps, then profiled steps, then steps under the sync debug mode."""
     start = time.perf_counter()
-    engine = make_engine(args, drafter, eager)
+    engine = make_engine(args, drafter, eager, batch=batch)
     build = time.perf_counter() - start
     reqs = generate(engine, prompts, batch, 2000)
     for _ in range(args.warmup):  # the prompts, and first compilations

@@ -196,6 +196,14 @@ def served_settings(path: str | Path = SERVE_CONFIG) -> dict[str, Any]:
     return {k: v for k, v in engine.items() if k not in REPLICA_ONLY}
 
 
+def served_engine_config(batch_size: int, prefix_caching: bool, path: str | Path = SERVE_CONFIG) -> EngineConfig:
+    """Exactly the engine `make run` serves (`served_settings`), but for prefix caching and room for `batch_size`
+    requests a step."""
+    served = served_settings(path)
+    max_num_seqs = max(served.get("max_num_seqs", 1), batch_size)
+    return EngineConfig(**served | {"enable_prefix_caching": prefix_caching, "max_num_seqs": max_num_seqs})
+
+
 def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> EngineConfig:
     """The engine settings of a configuration name and tree; `NAME@adaptive` runs NAME under the
     adaptive speculation policy, its tree as the caps (and as the shape its start-up profile measures,
@@ -204,9 +212,7 @@ def engine_config(variant: str, args: argparse.Namespace, spec: SpecParams) -> E
     `multi_step: 1`), `+deterministic` and `+QUANTIZATION` override those settings."""
     variant = variant.partition("#")[0]
     if variant == "served":  # exactly what is served, but for prefix caching (the benchmark's flag) and batch room
-        served = served_settings(args.serve_config)
-        max_num_seqs = max(served.get("max_num_seqs", 1), args.batch_size)
-        return EngineConfig(**served | {"enable_prefix_caching": args.prefix_caching, "max_num_seqs": max_num_seqs})
+        return served_engine_config(args.batch_size, args.prefix_caching, args.serve_config)
     variant, _, policy = variant.partition("@")
     joined = next((d for d in JOINED_DRAFTERS if variant == d or variant.startswith(d + "+")), None)
     if joined is not None:  # a drafter whose name holds a "+" (lyanna+suffix), options after it
