@@ -96,9 +96,11 @@ VNNI void vnni_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m
                       const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
                       int64_t b1) {
     const int64_t groups = k / GROUP, block_bytes = 16 * k * bits / 8;
+    const int64_t tiles = (rows + ROWS - 1) / ROWS; /* rows split evenly: 9 rows as 5 + 4, not 8 + 1 */
     for (int64_t b = b0; b < b1; b++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-            const int R = rows - r0 < ROWS ? (int)(rows - r0) : ROWS;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = rows * t / tiles;
+            const int R = (int)(rows * (t + 1) / tiles - r0);
 #define BLOCK(C) block_rows(codes + b * block_bytes, d + b * groups * 16, m + b * groups * 16, bits, groups, \
                             xq + r0 * k, dx + r0 * groups, sx + r0 * groups, k, C, out + r0 * n + 16 * b, n)
             VNNI_TILE(BLOCK)
@@ -185,9 +187,11 @@ static void avx2_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t 
             xsum[i] = sum;
         }
     }
+    const int64_t tiles = (rows + AVX2_ROWS - 1) / AVX2_ROWS; /* rows split evenly, as vnni_blocks does */
     for (int64_t b = b0; b < b1; b++) {
-        for (int64_t r0 = 0; r0 < rows; r0 += AVX2_ROWS) {
-            const int R = rows - r0 < AVX2_ROWS ? (int)(rows - r0) : AVX2_ROWS;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = rows * t / tiles;
+            const int R = (int)(rows * (t + 1) / tiles - r0);
             for (int h = 0; h < 2; h++) {
 #define HALF(C) half_rows(codes + b * block_bytes, d + b * groups * 16, m + b * groups * 16, bits, groups, xq + r0 * k, \
                           dx + r0 * groups, sx + r0 * groups, xsum ? xsum + r0 * groups : NULL, k, C, h, out + r0 * n + 16 * b, n)
