@@ -115,9 +115,22 @@ def _library() -> ctypes.CDLL | None:
     lib.amx_active.restype = i32
     lib.vnni_configure.argtypes = [i32]
     lib.vnni_configure.restype = i32
+    lib.kernel_path.argtypes = [i64]
+    lib.kernel_path.restype = i32
+    lib.kernel_paths_measure.argtypes = [i32]
+    lib.kernel_paths_measure.restype = i32
     lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
     lib.vnni_configure(int(os.environ.get("LYANNA_VNNI", "1") != "0"))  # 0: AVX2's kernels (the same numbers)
+    _measure_paths(lib)
     return lib
+
+
+def _measure_paths(lib: ctypes.CDLL) -> None:
+    """Time the integer-dot paths that run here and keep the fastest per class of row counts (csrc/vnni.c's
+    `kernel_paths_measure`, some tens of milliseconds), unless `LYANNA_KERNEL_PATHS=default` asks for the
+    defaults (AMX for 16 rows or more where it runs, else VNNI where it runs, else AVX2)."""
+    if os.environ.get("LYANNA_KERNEL_PATHS", "measured") != "default":
+        lib.kernel_paths_measure(torch.get_num_threads())
 
 
 def library() -> ctypes.CDLL:
@@ -230,7 +243,36 @@ def set_amx(on: bool) -> bool:
     Off, the fused decoder computes the same projections through csrc/vnni.c and reads long prompts in
     pieces of `fused_decoder.MAX_ROWS` rows at most."""
     lib = _library()
-    return lib is not None and bool(lib.amx_configure(int(on)))
+    if lib is None:
+        return False
+    active = bool(lib.amx_configure(int(on)))
+    _measure_paths(lib)
+    return active
+
+
+def set_vnni(on: bool) -> bool:
+    """Turn the AVX512-VNNI kernels on or off for this process (on only where the CPU has them); returns whether
+    they are on. Off, the interleaved layouts take AVX2's kernels: the same numbers (csrc/vnni.c)."""
+    lib = _library()
+    if lib is None:
+        return False
+    active = bool(lib.vnni_configure(int(on)))
+    _measure_paths(lib)
+    return active
+
+
+KERNEL_PATHS = ("avx2", "vnni", "amx")  # csrc/vnni.c's paths through an interleaved weight, in its order
+ROW_CLASSES = {"1": 1, "2-8": 4, "9-15": 12, "16+": 32}  # classes of a step's row counts, each with a member
+
+
+def kernel_paths() -> dict[str, str]:
+    """The path ("avx2", "vnni" or "amx") each class of row counts takes through an interleaved weight in
+    this process: the fastest measured at start-up (`LYANNA_KERNEL_PATHS`); every path gives the same numbers.
+    Empty where the kernels are not available."""
+    lib = _library()
+    if lib is None:
+        return {}
+    return {label: KERNEL_PATHS[lib.kernel_path(rows)] for label, rows in ROW_CLASSES.items()}
 
 
 def interleave(codes: torch.Tensor, bits: int) -> torch.Tensor:

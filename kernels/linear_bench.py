@@ -7,8 +7,9 @@ prefill chunk), the 120 projections of the 30 layers and, separately, the LM hea
 - `<setting>/<layout>`: a quantized setting (`gguf`, `int8`, `int4`) packed for the `integer_dot`, `vnni`
   (AVX512-VNNI CPUs) or `torch` layout (kernels/quantized_linear.py), called directly (no fp32 copy).
 Configurations are interleaved repetition by repetition and medians reported. One JSON line:
-milliseconds per configuration and row count. The thresholds in kernels/onednn_linear.py and
-kernels/quantized_linear.py (`WIDE_MIN_ROWS`) come from runs of this benchmark.
+milliseconds per configuration and row count, and the path (`kernel_paths`: avx2, vnni or amx) each
+class of row counts took through the interleaved layouts, measured at start-up. The thresholds in
+kernels/onednn_linear.py and kernels/quantized_linear.py (`WIDE_MIN_ROWS`) come from runs of this benchmark.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                     end = time.perf_counter()
                     times.setdefault((config, "projections", m), []).append((mid - start) * 1e3)
                     times.setdefault((config, "lm_head", m), []).append((end - mid) * 1e3)
-    result: dict = {"threads": torch.get_num_threads(), "reps": args.reps, "ms": {}}
+    paths = integer_dot.kernel_paths()  # the interleaved layouts' path per class of row counts
+    result: dict = {"threads": torch.get_num_threads(), "reps": args.reps, "kernel_paths": paths, "ms": {}}
     for (config, part, m), ts in times.items():
         result["ms"].setdefault(config, {}).setdefault(part, {})[m] = round(statistics.median(ts[1:]), 2)
     print(json.dumps(result))

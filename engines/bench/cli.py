@@ -71,6 +71,7 @@ from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
 from engines.spec_decode.stats import PHASES, SpecStats, StepProfile
 from engines.spec_params import SpecParams
+from kernels import integer_dot
 
 
 class HFRunner:
@@ -551,6 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": str(first.device),
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu_info(),
+        "kernel_paths": integer_dot.kernel_paths(),  # the integer-dot path each class of row counts took
         "peers": peer_info,
         "configs": per_config,
     }

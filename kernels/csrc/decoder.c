@@ -141,9 +141,8 @@ static void project(const QWeight *w, const Blocks *a, const Rows *r, int64_t ro
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads(), blocks = n / 16;
         const int64_t b0 = blocks * t / teams, b1 = blocks * (t + 1) / teams;
         const int bits = (int)w->bits;
-        if (!r->xb) { /* amx.c computes the same numbers as vnni.c, 16 rows per tile product */
-            (rows >= 16 && amx_active() ? amx_blocks : interleaved_blocks)(w->codes, w->scales, w->mins, bits, n, k, a->xq,
-                                                                           a->dx, a->sx, rows, out, b0, b1);
+        if (!r->xb) { /* the path measured fastest for this many rows (vnni.c's kernel_path): the same numbers */
+            interleaved_blocks(w->codes, w->scales, w->mins, bits, n, k, a->xq, a->dx, a->sx, rows, out, b0, b1);
         } else {
             uint16_t *wb = r->wb + t * r->wb_size;
             const int64_t most = r->wb_size / (groups * 512) / 2 * 2; /* blocks of a panel (even, >= 2) */

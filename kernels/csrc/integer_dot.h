@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void q8_row(
     }
 
 /* vnni.c: blocks [b0, b1) of 16 output rows of an interleaved weight: vnni_blocks on AVX512-VNNI CPUs only,
- * interleaved_blocks on any (VNNI where the CPU has it, else AVX2). */
+ * interleaved_blocks on any (through the path measured fastest for that many rows: kernel_path). */
 void interleaved_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                         const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
                         int64_t b1);

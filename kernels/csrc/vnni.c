@@ -222,21 +222,105 @@ int vnni_configure(int want) {
     return vnni_supported();
 }
 
+/* The paths a step's rows can take through an interleaved weight, all computing the same numbers: avx2_blocks,
+ * vnni_blocks and amx_blocks (whole tiles of 16 rows; the rest through vnni_blocks). Which is fastest for how
+ * many rows depends on the CPU (its vector units, its memory), so kernel_paths_measure times each path this
+ * process may run on a scratch weight, per class of row counts, and the fastest serves that class: a decode's
+ * 1 row, a verification's 2-8 and 9-15, and 16 or more (batches and prompt chunks). A class not measured, or
+ * whose path was turned off since, takes the default: AMX for 16 rows or more where it runs, else VNNI where
+ * it runs, else AVX2. Timing noise can only change the speed, never an answer. */
+enum { PATH_AVX2, PATH_VNNI, PATH_AMX, PATHS };
+#define ROW_CLASSES 4
+
+static const int64_t class_rows[ROW_CLASSES] = {1, 4, 12, 32}; /* the row count each class is timed at */
+static int chosen[ROW_CLASSES] = {-1, -1, -1, -1};
+
+static int row_class(int64_t rows) { return rows <= 1 ? 0 : rows <= 8 ? 1 : rows < 16 ? 2 : 3; }
+
+/* Whether `path` can serve `rows` rows now. */
+static int path_runs(int path, int64_t rows) {
+    return path == PATH_AVX2 || (path == PATH_VNNI && vnni_supported()) ||
+           (path == PATH_AMX && rows >= 16 && amx_active());
+}
+
+/* The path `rows` rows take now: the measured choice of their class where it still runs, else the default. */
+int kernel_path(int64_t rows) {
+    const int path = chosen[row_class(rows)];
+    if (path >= 0 && path_runs(path, rows)) return path;
+    return path_runs(PATH_AMX, rows) ? PATH_AMX : vnni_supported() ? PATH_VNNI : PATH_AVX2;
+}
+
+static void path_blocks(int path, const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n,
+                        int64_t k, const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out,
+                        int64_t b0, int64_t b1) {
+    (path == PATH_AMX ? amx_blocks : path == PATH_VNNI ? vnni_blocks : avx2_blocks)(codes, d, m, bits, n, k, xq, dx, sx,
+                                                                                     rows, out, b0, b1);
+}
+
 void interleaved_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                         const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int64_t b0,
                         int64_t b1) {
-    (vnni_supported() ? vnni_blocks : avx2_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
+    path_blocks(kernel_path(rows), codes, d, m, bits, n, k, xq, dx, sx, rows, out, b0, b1);
 }
 
-/* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads (the
- * same numbers through amx.c's tiles where they run). */
+/* Seconds of the fastest of `reps` calls of `path` over every block of a scratch 4-bit weight, split across
+ * `threads` as the decoder splits a projection. */
+static double time_path(int path, const uint8_t *codes, const uint16_t *d, int64_t n, int64_t k, const int8_t *xq,
+                        const float *dx, int64_t rows, float *out, int threads, int reps) {
+    double best = 1e30;
+    for (int rep = 0; rep < reps; rep++) {
+        const double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads)
+        {
+            const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads(), blocks = n / 16;
+            path_blocks(path, codes, d, d, 4, n, k, xq, dx, dx, rows, out, blocks * t / teams, blocks * (t + 1) / teams);
+        }
+        const double took = omp_get_wtime() - start;
+        if (rep > 0 && took < best) best = took; /* the first call warms the caches */
+    }
+    return best;
+}
+
+/* Time every path that runs now for each class of row counts and keep the fastest (see kernel_path); returns 0,
+ * or -1 without memory (the defaults then stay). The weight (4-bit, 2048 x 2048: 2 MiB) is the size of a
+ * decoder's projection, its values arbitrary: the time of an integer dot product does not depend on them. */
+int kernel_paths_measure(int threads) {
+    const int64_t n = 2048, k = 2048, most = 32, groups = k / GROUP;
+    uint8_t *codes = malloc((size_t)(n * k / 2));
+    uint16_t *d = malloc(sizeof(uint16_t) * (size_t)(n * groups));
+    int8_t *xq = malloc((size_t)(most * k));
+    float *dx = malloc(sizeof(float) * (size_t)(most * groups)), *out = malloc(sizeof(float) * (size_t)(most * n));
+    int status = -1;
+    if (codes && d && xq && dx && out) {
+        for (int64_t i = 0; i < n * k / 2; i++) codes[i] = (uint8_t)(i * 131 + 7);
+        for (int64_t i = 0; i < n * groups; i++) d[i] = 0x2000; /* fp16 2^-7 */
+        for (int64_t i = 0; i < most * k; i++) xq[i] = (int8_t)((i * 29) % 255 - 127);
+        for (int64_t i = 0; i < most * groups; i++) dx[i] = 0.01f;
+        for (int c = 0; c < ROW_CLASSES; c++) {
+            const int64_t rows = class_rows[c];
+            double fastest = 1e30;
+            int pick = -1;
+            for (int path = 0; path < PATHS; path++) {
+                if (!path_runs(path, rows)) continue;
+                const double took = time_path(path, codes, d, n, k, xq, dx, rows, out, threads, 6);
+                if (took < fastest) fastest = took, pick = path;
+            }
+            chosen[c] = pick;
+        }
+        status = 0;
+    }
+    free(codes), free(d), free(xq), free(dx), free(out);
+    return status;
+}
+
+/* out [rows, n] fp32 = x @ W.T for an interleaved weight; blocks of 16 output rows split across threads, through
+ * the path `rows` rows take (kernel_path). */
 void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads) {
     const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t t = omp_get_thread_num(), teams = omp_get_num_threads();
-        (rows >= 16 && amx_active() ? amx_blocks : interleaved_blocks)(codes, d, m, bits, n, k, xq, dx, sx, rows, out,
-                                                                       blocks * t / teams, blocks * (t + 1) / teams);
+        interleaved_blocks(codes, d, m, bits, n, k, xq, dx, sx, rows, out, blocks * t / teams, blocks * (t + 1) / teams);
     }
 }
