@@ -34,6 +34,8 @@ from engines.drafters.token_info_sampling import build_subtrees
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
+from kernels import integer_dot
+from kernels.draft_chains import DraftChains
 
 if TYPE_CHECKING:
     from engines.kv_cache import PagedKVCache
@@ -63,6 +65,17 @@ class _State:
     pending: _Resample | None = None  # Algorithm 2's tree to build, fused into the next verification
 
 
+def draft_chains_for(model: LyannaDraftModel, token_info: object) -> DraftChains | None:
+    """The native width-1 drafting (`DraftChains`) of a model whose LM head runs the interleaved int8 kernels, with
+    dense token information or none; None for any other (a collapsed table, a bf16 head, no kernels)."""
+    head = model.lm_head_quant
+    if head is None or head.layout != "vnni" or not integer_dot.available():
+        return None
+    if token_info is not None and not isinstance(token_info, DenseTokenInfo):
+        return None
+    return DraftChains(head, model.embed.shape[0], token_info, model.d2t)
+
+
 class LyannaDrafter(Drafter):
     """Drafts with a trained `LyannaDraftModel`; token info comes from a collapsed hot-token table
     when one is given, else from the model's low-rank embedding for every token (`DenseTokenInfo`)."""
@@ -88,6 +101,9 @@ class LyannaDrafter(Drafter):
         self.token_info = token_info_table
         if token_info_table is None and model.token_info is not None:
             self.token_info = DenseTokenInfo(model.token_info)
+        # Width-1 trees' head and sampling in one native call, where the head runs the interleaved int8 kernels
+        # beside the fused layer and token information is the dense one (or none).
+        self.chains = draft_chains_for(model, self.token_info) if fused_layer is not None else None
         self.resample = resample
         self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
         self.resample_threshold = resample_threshold
@@ -322,6 +338,22 @@ class LyannaDrafter(Drafter):
             out[i] = stacked[b]
         return out
 
+    def _native_chains(
+        self, done: list[tuple[int, torch.Tensor]], specs: list[SpecParams], roots: list[int]
+    ) -> dict[int, tuple[torch.Tensor, DraftTree]]:
+        """The logits and trees of the width-1 requests among `done` (request index, trajectory), drafted in one
+        native call (`DraftChains`) where the drafter has one; {} otherwise."""
+        chains = [(i, t) for i, t in done if specs[i].width == 1] if self.chains is not None else []
+        if not chains:
+            return {}
+        steps = [t.shape[0] for _, t in chains]
+        logits, tokens, scores = self.chains(torch.cat([t for _, t in chains]), steps, [roots[i] for i, _ in chains])
+        out, at = {}, 0
+        for (i, _), lg, n in zip(chains, logits.split(steps), steps, strict=True):
+            tree = DraftTree([roots[i], *tokens[at : at + n]], list(range(-1, n)), [1.0, *scores[at : at + n]])
+            out[i], at = (lg, tree), at + n
+        return out
+
     def propose(self, requests: list[Request], specs: list[SpecParams]) -> list[DraftTree | None]:
         trees: list[DraftTree | None] = [None] * len(requests)
         roots = [req.token_ids(req.num_tokens - 1, req.num_tokens)[0] for req in requests]
@@ -339,27 +371,34 @@ class LyannaDrafter(Drafter):
         depth = max((specs[i].depth for i in drafting), default=0)
         trajs = self.trajectories([requests[i] for i in drafting], depth) if drafting else []
         done = [(i, t[: specs[i].depth]) for i, t in zip(drafting, trajs, strict=True) if t is not None]
+        drafted = self._native_chains(done, specs, roots)  # request index -> (its logits, its chain)
+        done_general = [(i, t) for i, t in done if i not in drafted]
         step_logits: list[torch.Tensor] = []
-        if done:
-            all_logits = self.model.logits(torch.cat([t for _, t in done]))  # one LM-head GEMM for every step
-            step_logits = list(all_logits.split([specs[i].depth for i, _ in done]))
+        if done_general:
+            all_logits = self.model.logits(torch.cat([t for _, t in done_general]))  # one LM-head GEMM for every step
+            step_logits = list(all_logits.split([specs[i].depth for i, _ in done_general]))
         resampling = alone + [i for i, _ in done if i in pending]
         if not done and not resampling:
             return trees
-        # One Algorithm 1 run for this step's trees and the re-sampled trees (Algorithm 2).
+        # One Algorithm 1 run for this step's other trees and the re-sampled trees (Algorithm 2).
         built = build_subtrees(
             step_logits + [pending[i].logits for i in resampling],
-            [roots[i] for i, _ in done] + [pending[i].bonus for i in resampling],
+            [roots[i] for i, _ in done_general] + [pending[i].bonus for i in resampling],
             self.token_info,
-            [specs[i].width for i, _ in done] + [pending[i].width for i in resampling],
+            [specs[i].width for i, _ in done_general] + [pending[i].width for i in resampling],
             self.model.d2t,
         )
-        resampled = dict(zip(resampling, built[len(done) :], strict=True))
+        resampled = dict(zip(resampling, built[len(done_general) :], strict=True))
         for i in alone:
             st = self.states[requests[i].request_id]
             trees[i], st.pending, st.logits = resampled[i].prune(specs[i].budget + 1), None, None
             self.num_resampled_alone += 1
-        for (i, _), logits, tree in zip(done, step_logits, built[: len(done)], strict=True):
+        drafted.update(
+            (i, (logits, tree))
+            for (i, _), logits, tree in zip(done_general, step_logits, built[: len(done_general)], strict=True)
+        )
+        for i, _ in done:
+            logits, tree = drafted[i]
             spec, st = specs[i], self.states[requests[i].request_id]
             tree = tree.prune(spec.budget + 1)
             if i in resampled:

@@ -15,10 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from engines.drafters import eagle
 from engines.drafters.checkpoint import SHIPPED
+from engines.drafters.token_info_sampling import build_subtrees
 from engines.engine import EngineConfig, LLMEngine
 from engines.parallel import PackableLinear
 from engines.request import Request
 from engines.sampling import SamplingParams
+from engines.spec_params import SpecParams
 from kernels import integer_dot
 from kernels.quantized_linear import dequantized
 from tests.conftest import CHAT_PROMPTS
@@ -143,6 +145,48 @@ def test_a_fused_row_does_not_depend_on_its_batch(engine):
         own = engine.kv_cache.slots(req.request_id, 0, req.num_tokens - 1)
         assert torch.equal(fused.k[0, own], keys[[row_of[slot] for slot in own.tolist()]])
         assert torch.equal(drafter.trajectories([req], 4)[0], traj)
+    finish(engine, reqs)
+
+
+def test_native_chains_are_the_python_chains(engine):
+    """Width-1 drafting in one native call (kernels/draft_chains.py) gives `LyannaDraftModel.logits` bit for bit and
+    the tokens Algorithm 1 picks at width 1, with their joint probabilities up to fp32 rounding; a root that is no
+    target token is refused."""
+    drafter = engine.executor.drafter
+    model, chains = drafter.model, drafter.chains
+    assert chains is not None and model.d2t is not None  # the shipped drafter's head is restricted to hot tokens
+    torch.manual_seed(0)
+    for steps in ([3, 1, 2], [1], [4, 4]):
+        roots = torch.randint(0, model.embed.shape[0], (len(steps),)).tolist()
+        hidden = (3 * torch.randn(sum(steps), model.embed.shape[1])).bfloat16()
+        logits, tokens, scores = chains(hidden, steps, roots)
+        want_logits = model.logits(hidden)
+        assert torch.equal(logits, want_logits)
+        want = build_subtrees(list(want_logits.split(steps)), roots, drafter.token_info, [1] * len(steps), model.d2t)
+        at = 0
+        for tree, n in zip(want, steps, strict=True):
+            assert tree.tokens[1:] == tokens[at : at + n]
+            assert scores[at : at + n] == pytest.approx(tree.scores[1:], rel=1e-4)
+            at += n
+    with pytest.raises(IndexError, match="not a token"):
+        chains(hidden[:1], [1], [model.embed.shape[0]])
+
+
+def test_native_chains_propose_what_the_python_path_proposes(engine):
+    reqs = run_plain(engine, [CHAT_PROMPTS[0], CHAT_PROMPTS[2]], steps=3)
+    drafter = engine.executor.drafter
+    specs = [SpecParams(3, 1, 3), SpecParams(2, 1, 2)]
+    before = copy.deepcopy(drafter.states)
+    native = drafter.propose(reqs, specs)
+    drafter.states, chains = before, drafter.chains
+    drafter.chains = None
+    try:
+        python = drafter.propose(reqs, specs)
+    finally:
+        drafter.chains = chains
+    for a, b in zip(native, python, strict=True):
+        assert a.tokens == b.tokens and a.parents == b.parents == [-1, 0, 1, 2][: len(a.tokens)]
+        assert a.scores == pytest.approx(b.scores, rel=1e-4)
     finish(engine, reqs)
 
 

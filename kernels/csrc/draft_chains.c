@@ -1,0 +1,120 @@
+/* Lyanna's draft chains in one call: the drafter's LM head over every request's trajectory, then token-info tree
+ * sampling at width 1 (paper Algorithm 1 with one child a node), request by request.
+ *
+ * Python's chain path (engines/drafters/token_info_sampling.py, `_grow_levels` at k = 1) takes some twenty tensor
+ * operations a depth, each of which pays for a cold interpreter after the target's forward has streamed its
+ * weights through the caches; here a request's chain costs a few microseconds a depth. The logits are the same
+ * numbers as `LyannaDraftModel.logits` (the same activation quantization and interleaved int8 head), so the trees
+ * differ from Python's only where token information's floating-point sums round differently and two candidates
+ * tie within that rounding; every tree is verified, so no answer depends on it.
+ *
+ * Per depth s of a request: z = logits_s + r(t_{s-1}) (t_0 the root), where token information r(t) is
+ * RMSNorm(W_E[t] W1 W2) computed as DenseTokenInfo does (p = (W_E W1)[t], mean square p G p with the Gram matrix
+ * G = W2 W2^T / vocab, then (p / rms) (W2 with the norm's weight folded in)); the depth's token is z's first
+ * maximum (mapped to a target token through d2t when the head is restricted to hot tokens), its score the chain's
+ * running product of softmax(z) at it. */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "integer_dot.h"
+
+void quantize_activations(const uint16_t *x, int64_t rows, int64_t k, int8_t *xq, float *dx, float *sx);
+void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
+               const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads);
+
+typedef struct {
+    const uint8_t *codes; /* the drafter's LM head [vocab, hidden], interleaved (vnni.c), with its scales, mins */
+    const uint16_t *scales, *mins;
+    int64_t bits, vocab, hidden;
+    const float *projected; /* [target_vocab, rank] W_E W1, or NULL: no token information */
+    const float *gram;      /* [rank, rank] */
+    const float *w2;        /* [rank, vocab], the norm's weight folded in */
+    int64_t rank, target_vocab;
+    float eps;
+    const int64_t *d2t; /* [vocab] target token of each head row, or NULL: row i is token i */
+} ChainHead;
+
+/* z += r(token) (DenseTokenInfo's arithmetic, fp32). */
+static void add_token_info(const ChainHead *h, int64_t token, float *z) {
+    const int64_t rank = h->rank, vocab = h->vocab;
+    const float *p = h->projected + token * rank;
+    float mean_square = 0.0f;
+    for (int64_t i = 0; i < rank; i++) {
+        float pg = 0.0f;
+        for (int64_t j = 0; j < rank; j++) pg += p[j] * h->gram[j * rank + i];
+        mean_square += pg * p[i];
+    }
+    const float inv = 1.0f / sqrtf(mean_square + h->eps);
+    for (int64_t i = 0; i < rank; i++) {
+        const __m256 c = _mm256_set1_ps(p[i] * inv);
+        const float *row = h->w2 + i * vocab;
+        int64_t v = 0;
+        for (; v + 8 <= vocab; v += 8)
+            _mm256_storeu_ps(z + v, _mm256_fmadd_ps(c, _mm256_loadu_ps(row + v), _mm256_loadu_ps(z + v)));
+        for (; v < vocab; v++) z[v] += p[i] * inv * row[v];
+    }
+}
+
+/* The index of z's first maximum and log(sum(exp(z))). */
+static int64_t top_and_logsumexp(const float *z, int64_t n, float *lse) {
+    int64_t top = 0;
+    for (int64_t v = 1; v < n; v++)
+        if (z[v] > z[top]) top = v;
+    const float most = z[top];
+    double sum = 0.0;
+    for (int64_t v = 0; v < n; v++) sum += expf(z[v] - most);
+    *lse = most + (float)log(sum);
+    return top;
+}
+
+/* For `requests` chains of steps[b] depths each (rows = their sum, request by request): h [rows, hidden] bf16, the
+ * trajectories; roots [requests]. Writes the raw head logits [rows, vocab] fp32, each depth's token and running
+ * score [rows]. Returns 0, -1 without memory, or 1 + b for request b whose root or a drafted token is not a
+ * target token. */
+int draft_chains(const ChainHead *h, const uint16_t *hidden, int64_t requests, const int64_t *steps,
+                 const int64_t *roots, float *logits, int64_t *tokens, float *scores, int threads) {
+    int64_t rows = 0;
+    for (int64_t b = 0; b < requests; b++) rows += steps[b];
+    if (rows == 0) return 0;
+    const int64_t k = h->hidden, groups = k / GROUP, vocab = h->vocab;
+    int8_t *xq = malloc((size_t)(rows * k));
+    float *dx = malloc(sizeof(float) * (size_t)(rows * groups)), *sx = malloc(sizeof(float) * (size_t)(rows * groups));
+    float *z = malloc(sizeof(float) * (size_t)(vocab * (requests < threads ? requests : threads)));
+    int status = 0;
+    if (!xq || !dx || !sx || !z) {
+        status = -1;
+    } else {
+        quantize_activations(hidden, rows, k, xq, dx, sx);
+        vnni_gemm(h->codes, h->scales, h->mins, (int)h->bits, vocab, k, xq, dx, sx, rows, logits, threads);
+        int64_t *first = malloc(sizeof(int64_t) * (size_t)requests);
+        if (!first) {
+            status = -1;
+        } else {
+            for (int64_t b = 0, at = 0; b < requests; at += steps[b++]) first[b] = at;
+#pragma omp parallel for schedule(static) num_threads(threads) if (requests > 1)
+            for (int64_t b = 0; b < requests; b++) {
+                float *zb = z + vocab * omp_get_thread_num();
+                int64_t token = roots[b];
+                float score = 1.0f;
+                for (int64_t s = 0; s < steps[b]; s++) {
+                    const int64_t row = first[b] + s;
+                    if (token < 0 || token >= h->target_vocab) {
+#pragma omp critical
+                        status = status ? status : (int)(1 + b);
+                        break;
+                    }
+                    memcpy(zb, logits + row * vocab, sizeof(float) * (size_t)vocab);
+                    if (h->projected) add_token_info(h, token, zb);
+                    float lse;
+                    const int64_t top = top_and_logsumexp(zb, vocab, &lse);
+                    score *= expf(zb[top] - lse);
+                    token = h->d2t ? h->d2t[top] : top;
+                    tokens[row] = token, scores[row] = score;
+                }
+            }
+            free(first);
+        }
+    }
+    free(xq), free(dx), free(sx), free(z);
+    return status;
+}

@@ -1,0 +1,102 @@
+"""Lyanna's draft chains in one native call (kernels/csrc/draft_chains.c): the drafter's LM head over every
+request's trajectory and token-info tree sampling at width 1, for the width-1 trees the policy asks for on CPU.
+
+`DraftChains` computes what `LyannaDraftModel.logits` and `build_subtrees` at width 1 compute (the same logits bit
+for bit; tokens and scores up to the rounding of token information's sums), in one call instead of some twenty
+tensor operations a depth: on a CPU those run in an interpreter the target's forward has just pushed out of the
+caches, and they cost more than the drafter's layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import integer_dot
+from kernels.quantized_linear import QuantizedWeight
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _ChainHead(ctypes.Structure):
+    _fields_ = [
+        ("codes", _p),
+        ("scales", _p),
+        ("mins", _p),
+        ("bits", _i64),
+        ("vocab", _i64),
+        ("hidden", _i64),
+        ("projected", _p),
+        ("gram", _p),
+        ("w2", _p),
+        ("rank", _i64),
+        ("target_vocab", _i64),
+        ("eps", ctypes.c_float),
+        ("d2t", _p),
+    ]
+
+
+def _library() -> ctypes.CDLL:
+    lib = integer_dot.library()
+    if not getattr(lib, "_draft_chains_typed", False):
+        lib.draft_chains.argtypes = [_p, _p, _i64, _p, _p, _p, _p, _p, ctypes.c_int]
+        lib.draft_chains.restype = ctypes.c_int
+        lib._draft_chains_typed = True
+    return lib
+
+
+class DraftChains:
+    """A drafter's LM head (the interleaved int8 layout) with its token information (`DenseTokenInfo`'s tensors,
+    or none) and hot-token map, for `__call__`. Holds every tensor the C view points into."""
+
+    def __init__(self, head: QuantizedWeight, target_vocab: int, token_info=None, d2t: torch.Tensor | None = None):
+        if head.layout != "vnni" or head.mins is None:
+            raise ValueError(f"draft chains need the head in the interleaved layout, not {head.layout!r}")
+        self.head, self.vocab, self.hidden = head, head.out_features, head.in_features
+        held = [head.data, head.scales, head.mins]
+        projected = gram = w2 = None
+        rank, eps = 0, 0.0
+        if token_info is not None:
+            tensors = (token_info.projected, token_info.gram, token_info.w2)
+            projected, gram, w2 = (t.float().contiguous() for t in tensors)
+            rank, eps = projected.shape[1], token_info.eps
+            if w2.shape != (rank, self.vocab) or projected.shape[0] != target_vocab:
+                raise ValueError(f"token information {list(w2.shape)} does not fit a head of {self.vocab} rows")
+            held += [projected, gram, w2]
+        self.d2t = None if d2t is None else d2t.to(torch.int64).contiguous()
+        if self.d2t is not None:
+            if self.d2t.shape != (self.vocab,):
+                raise ValueError(f"d2t must have the head's {self.vocab} entries, not {list(self.d2t.shape)}")
+            held.append(self.d2t)
+        self._held = held
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.struct = _ChainHead(
+            head.data.data_ptr(), head.scales.data_ptr(), head.mins.data_ptr(), head.bits, self.vocab, self.hidden,
+            ptr(projected), ptr(gram), ptr(w2), rank, target_vocab, eps, ptr(self.d2t),
+        )  # fmt: skip
+
+    def __call__(
+        self, hidden: torch.Tensor, steps: list[int], roots: list[int]
+    ) -> tuple[torch.Tensor, list[int], list[float]]:
+        """hidden [rows, hidden] (each request's trajectory, request after request: steps[b] rows for request b)
+        -> the raw logits [rows, vocab] fp32, and each row's drafted target token and its chain's joint
+        probability up to it."""
+        rows = sum(steps)
+        if hidden.shape != (rows, self.hidden) or len(steps) != len(roots) or min(steps, default=0) < 0:
+            raise ValueError(f"hidden {list(hidden.shape)} must hold the {rows} rows of steps {steps}")
+        x = hidden.to(torch.bfloat16).contiguous()
+        logits = torch.empty(rows, self.vocab)
+        tokens = torch.empty(rows, dtype=torch.int64)
+        scores = torch.empty(rows)
+        meta = torch.tensor([*steps, *roots], dtype=torch.int64)
+        n = len(steps)
+        code = _library().draft_chains(
+            ctypes.byref(self.struct), x.data_ptr(), n, meta.data_ptr(), meta.data_ptr() + 8 * n, logits.data_ptr(),
+            tokens.data_ptr(), scores.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise MemoryError("draft_chains: out of memory")
+        if code > 0:
+            raise IndexError(f"request {code - 1}'s root {roots[code - 1]} is not a token of the target's vocabulary")
+        return logits, tokens.tolist(), scores.tolist()
