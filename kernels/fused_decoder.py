@@ -707,4 +707,5 @@ class FusedDraftLayer:
             starts.append(starts[-1] + n)
         ints = torch.tensor([pos, slots, parents], dtype=torch.int64)
         query_start, lens = torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+        x = x.to(torch.float32, copy=True)  # `run` computes in place: the caller's rows stay as they were
         return self._layers.run(x, ints[0], ints[1], query_start, lens, table, ints[2])

@@ -35,7 +35,7 @@ import torch
 GROUP = 32
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c", "argmax.c", "draft_chains.c")
+    for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c", "argmax.c", "draft_native.c")
 )
 HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
 # No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined

@@ -35,7 +35,7 @@ from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
 from kernels import integer_dot
-from kernels.draft_chains import DraftChains
+from kernels.draft_native import DraftChains, DraftFuse
 
 if TYPE_CHECKING:
     from engines.kv_cache import PagedKVCache
@@ -76,6 +76,15 @@ def draft_chains_for(model: LyannaDraftModel, token_info: object) -> DraftChains
     return DraftChains(head, model.embed.shape[0], token_info, model.d2t)
 
 
+def draft_fuse_for(model: LyannaDraftModel) -> DraftFuse | None:
+    """The native input fusion (`DraftFuse`) of a model that fuses its inputs through an interleaved int8
+    projection; None for any other."""
+    quant = model.fuse.quant if model.cfg.use_fusion else None
+    if quant is None or quant.layout != "vnni" or not integer_dot.available():
+        return None
+    return DraftFuse(model.hidden_norm.weight, model.embed_norm.weight, model.hidden_norm.eps, model.embed, quant)
+
+
 class LyannaDrafter(Drafter):
     """Drafts with a trained `LyannaDraftModel`; token info comes from a collapsed hot-token table
     when one is given, else from the model's low-rank embedding for every token (`DenseTokenInfo`)."""
@@ -104,6 +113,8 @@ class LyannaDrafter(Drafter):
         # Width-1 trees' head and sampling in one native call, where the head runs the interleaved int8 kernels
         # beside the fused layer and token information is the dense one (or none).
         self.chains = draft_chains_for(model, self.token_info) if fused_layer is not None else None
+        # The input fusion W_fuse [norm(h); norm(E(t))] in one native call beside the fused layer (`DraftFuse`).
+        self.fuse = draft_fuse_for(model) if fused_layer is not None else None
         self.resample = resample
         self.fusion = fusion  # off: a re-sampled tree is verified alone, in place of the next draft
         self.resample_threshold = resample_threshold
@@ -219,7 +230,7 @@ class LyannaDrafter(Drafter):
         next_tokens = [t for req, _, start, end in todo for t in req.token_ids(start + 1, end + 1)]
         positions = [p for _, _, start, end in todo for p in range(start, end)]
         ids = torch.tensor([next_tokens, positions], device=device)  # one host-to-device copy
-        x = m.fused_input(hidden, ids[0])
+        x = m.fused_input(hidden, ids[0]) if self.fuse is None else self.fuse(hidden, ids[0]).to(hidden.dtype)
         if self.fused_layer is not None:
             return self._advance_fused(spans, todo, x)
         q, k, v = m._qkv(x, ids[1])

@@ -149,7 +149,7 @@ def test_a_fused_row_does_not_depend_on_its_batch(engine):
 
 
 def test_native_chains_are_the_python_chains(engine):
-    """Width-1 drafting in one native call (kernels/draft_chains.py) gives `LyannaDraftModel.logits` bit for bit and
+    """Width-1 drafting in one native call (kernels/draft_native.py) gives `LyannaDraftModel.logits` bit for bit and
     the tokens Algorithm 1 picks at width 1, with their joint probabilities up to fp32 rounding; a root that is no
     target token is refused."""
     drafter = engine.executor.drafter
@@ -170,6 +170,24 @@ def test_native_chains_are_the_python_chains(engine):
             at += n
     with pytest.raises(IndexError, match="not a token"):
         chains(hidden[:1], [1], [model.embed.shape[0]])
+
+
+def test_the_native_fusion_is_the_models_fusion(engine):
+    """Lyanna's input fusion in one native call (`DraftFuse`) rounds as `LyannaDraftModel.fused_input` does: the
+    same bf16 rows but where a norm's sum, taken in another order, rounds a value the other way."""
+    drafter = engine.executor.drafter
+    model, fuse = drafter.model, drafter.fuse
+    assert fuse is not None
+    torch.manual_seed(0)
+    hidden = (2 * torch.randn(40, model.embed.shape[1])).bfloat16()
+    tokens = torch.randint(0, model.embed.shape[0], (40,))
+    got, want = fuse(hidden, tokens), model.fused_input(hidden, tokens).float()
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # bf16 values
+    assert (got == want).all(1).float().mean() > 0.9  # whole rows equal
+    assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < 0.01
+    assert torch.equal(fuse(hidden[:1], tokens[:1]), got[:1])  # a row alone is the row in a batch
+    with pytest.raises(IndexError, match="no embedding"):
+        fuse(hidden[:2], torch.tensor([0, model.embed.shape[0]]))
 
 
 def test_native_chains_propose_what_the_python_path_proposes(engine):

@@ -1,10 +1,11 @@
-"""Lyanna's draft chains in one native call (kernels/csrc/draft_chains.c): the drafter's LM head over every
-request's trajectory and token-info tree sampling at width 1, for the width-1 trees the policy asks for on CPU.
+"""A drafter's host-heavy pieces in native calls (kernels/csrc/draft_native.c), for Lyanna beside the fused CPU
+decoder: `DraftFuse`, its input fusion W_fuse [norm(h); norm(E(t))], and `DraftChains`, the LM head over every
+request's trajectory and token-info tree sampling at width 1 (the width-1 trees the policy asks for on CPU).
 
-`DraftChains` computes what `LyannaDraftModel.logits` and `build_subtrees` at width 1 compute (the same logits bit
-for bit; tokens and scores up to the rounding of token information's sums), in one call instead of some twenty
-tensor operations a depth: on a CPU those run in an interpreter the target's forward has just pushed out of the
-caches, and they cost more than the drafter's layer.
+They compute what `LyannaDraftModel._fuse`, `LyannaDraftModel.logits` and `build_subtrees` at width 1 compute (the
+fusion and the logits the same numbers, up to the order of a norm's sum; tokens and scores up to the rounding of
+token information's sums), each in one call instead of some tens of tensor operations: on a CPU those run in an
+interpreter the target's forward has just pushed out of the caches, and cost more than the drafter's layer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ from kernels import integer_dot
 from kernels.quantized_linear import QuantizedWeight
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _DraftFuse(ctypes.Structure):
+    _fields_ = [
+        ("hidden_norm", _p),
+        ("embed_norm", _p),
+        ("embed", _p),
+        ("vocab", _i64),
+        ("hidden", _i64),
+        ("eps", ctypes.c_float),
+        ("codes", _p),
+        ("scales", _p),
+        ("mins", _p),
+        ("bits", _i64),
+    ]
 
 
 class _ChainHead(ctypes.Structure):
@@ -42,8 +58,53 @@ def _library() -> ctypes.CDLL:
     if not getattr(lib, "_draft_chains_typed", False):
         lib.draft_chains.argtypes = [_p, _p, _i64, _p, _p, _p, _p, _p, ctypes.c_int]
         lib.draft_chains.restype = ctypes.c_int
+        lib.draft_fuse_rows.argtypes = [_p, _p, _p, _i64, _p, ctypes.c_int]
+        lib.draft_fuse_rows.restype = ctypes.c_int
         lib._draft_chains_typed = True
     return lib
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.bfloat16).contiguous()
+
+
+class DraftFuse:
+    """W_fuse [norm_h(h); norm_e(e)] in one call (LyannaDraftModel._fuse): norms' weights, the embeddings the token
+    rows read and the interleaved int8 projection. Holds every tensor the C view points into."""
+
+    def __init__(self, hidden_norm: torch.Tensor, embed_norm: torch.Tensor, eps: float, embed: torch.Tensor,
+                 fuse: QuantizedWeight):  # fmt: skip
+        if fuse.layout != "vnni" or fuse.mins is None:
+            raise ValueError(f"the fusion needs its projection in the interleaved layout, not {fuse.layout!r}")
+        vocab, hidden = embed.shape
+        if fuse.in_features != 2 * hidden or fuse.out_features != hidden:
+            raise ValueError(f"a fusion of {fuse.in_features} -> {fuse.out_features} does not fit rows of {hidden}")
+        self.hidden = hidden
+        self._held = held = [_bf16(hidden_norm), _bf16(embed_norm), _bf16(embed), fuse.data, fuse.scales, fuse.mins]
+        self.struct = _DraftFuse(
+            held[0].data_ptr(), held[1].data_ptr(), held[2].data_ptr(), vocab, hidden, eps, fuse.data.data_ptr(),
+            fuse.scales.data_ptr(), fuse.mins.data_ptr(), fuse.bits,
+        )  # fmt: skip
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        """hidden [rows, hidden], tokens [rows] (None: the embedding table's one row for every row) -> the fused
+        rows [rows, hidden] fp32 (bf16 values)."""
+        rows = hidden.shape[0]
+        if hidden.shape != (rows, self.hidden) or (tokens is not None and tokens.shape != (rows,)):
+            raise ValueError(f"hidden {list(hidden.shape)} and tokens must hold the same rows of {self.hidden}")
+        x = _bf16(hidden)
+        ids = None if tokens is None else tokens.to(torch.int64).contiguous()
+        out = torch.empty(rows, self.hidden)
+        code = _library().draft_fuse_rows(
+            ctypes.byref(self.struct), x.data_ptr(), None if ids is None else ids.data_ptr(), rows, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code == -1:
+            raise MemoryError("draft_fuse_rows: out of memory")
+        if code > 0:
+            assert ids is not None
+            raise IndexError(f"token {int(ids[code - 1])} has no embedding")
+        return out
 
 
 class DraftChains:

@@ -1,14 +1,19 @@
-/* Lyanna's draft chains in one call: the drafter's LM head over every request's trajectory, then token-info tree
- * sampling at width 1 (paper Algorithm 1 with one child a node), request by request.
+/* A drafter's host-heavy pieces in native calls (kernels/draft_native.py): Lyanna's input fusion, and its draft
+ * chains (the LM head over every request's trajectory and token-info tree sampling at width 1, paper Algorithm 1
+ * with one child a node).
  *
- * Python's chain path (engines/drafters/token_info_sampling.py, `_grow_levels` at k = 1) takes some twenty tensor
- * operations a depth, each of which pays for a cold interpreter after the target's forward has streamed its
- * weights through the caches; here a request's chain costs a few microseconds a depth. The logits are the same
- * numbers as `LyannaDraftModel.logits` (the same activation quantization and interleaved int8 head), so the trees
- * differ from Python's only where token information's floating-point sums round differently and two candidates
- * tie within that rounding; every tree is verified, so no answer depends on it.
+ * In Python each is some tens of tensor operations a step, each paying for an interpreter the target's forward has
+ * just pushed out of the caches; here they cost what their arithmetic and weights do. Both compute what the Python
+ * code computes: the fusion the same bf16 roundings and the same integer-dot projection (up to the order of the
+ * norms' sums), the chains the same logits bit for bit (the same activation quantization and interleaved int8
+ * head), with tokens that differ only where token information's sums round differently and two candidates tie
+ * within that rounding. Every draft is verified, so no answer depends on either.
  *
- * Per depth s of a request: z = logits_s + r(t_{s-1}) (t_0 the root), where token information r(t) is
+ * Input fusion (LyannaDraftModel._fuse): x = W_fuse [norm_h(h); norm_e(e)], each norm RMSNorm as engines/model.py
+ * computes it in bf16 (the normalised row rounded to bf16, then times the bf16 weight, rounded), the projection's
+ * output rounded to bf16 as a quantized PackableLinear returns it.
+ *
+ * Chains, per depth s of a request: z = logits_s + r(t_{s-1}) (t_0 the root), where token information r(t) is
  * RMSNorm(W_E[t] W1 W2) computed as DenseTokenInfo does (p = (W_E W1)[t], mean square p G p with the Gram matrix
  * G = W2 W2^T / vocab, then (p / rms) (W2 with the norm's weight folded in)); the depth's token is z's first
  * maximum (mapped to a target token through d2t when the head is restricted to hot tokens), its score the chain's
@@ -21,6 +26,54 @@
 void quantize_activations(const uint16_t *x, int64_t rows, int64_t k, int8_t *xq, float *dx, float *sx);
 void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
                const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads);
+
+typedef struct {
+    const uint16_t *hidden_norm, *embed_norm; /* [hidden] bf16 norm weights */
+    const uint16_t *embed;                    /* [vocab, hidden] bf16: the token embeddings */
+    int64_t vocab, hidden;
+    float eps;
+    const uint8_t *codes; /* W_fuse [hidden, 2 hidden], interleaved (vnni.c), with its scales and mins */
+    const uint16_t *scales, *mins;
+    int64_t bits;
+} DraftFuse;
+
+/* out = RMSNorm(x) * w in bf16, as engines/model.py's RMSNorm computes it for bf16 rows. */
+static void norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = bf16_to_float(x[i]);
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv)));
+}
+
+/* x [rows, hidden] fp32 = W_fuse [norm_h(h_r); norm_e(E[tokens[r]])] for h [rows, hidden] bf16; tokens NULL: every
+ * row's embedding is `embed`'s row 0 (chain fusion's learned token-free embedding). Returns 0, -1 without memory,
+ * or 1 + r for row r whose token has no embedding. */
+int draft_fuse_rows(const DraftFuse *f, const uint16_t *h, const int64_t *tokens, int64_t rows, float *x,
+                    int threads) {
+    const int64_t H = f->hidden, k = 2 * H, groups = k / GROUP;
+    for (int64_t r = 0; tokens && r < rows; r++)
+        if (tokens[r] < 0 || tokens[r] >= f->vocab) return (int)(1 + r);
+    uint16_t *cat = malloc(sizeof(uint16_t) * (size_t)(rows * k));
+    int8_t *xq = malloc((size_t)(rows * k));
+    float *dx = malloc(sizeof(float) * (size_t)(rows * groups)), *sx = malloc(sizeof(float) * (size_t)(rows * groups));
+    int status = -1;
+    if (cat && xq && dx && sx) {
+        for (int64_t r = 0; r < rows; r++) {
+            norm_bf16(h + r * H, f->hidden_norm, H, f->eps, cat + r * k);
+            norm_bf16(f->embed + (tokens ? tokens[r] : 0) * H, f->embed_norm, H, f->eps, cat + r * k + H);
+        }
+        quantize_activations(cat, rows, k, xq, dx, sx);
+        vnni_gemm(f->codes, f->scales, f->mins, (int)f->bits, H, k, xq, dx, sx, rows, x, threads);
+        for (int64_t i = 0; i < rows * H; i++) x[i] = bf16_to_float(float_to_bf16(x[i]));
+        status = 0;
+    }
+    free(cat), free(xq), free(dx), free(sx);
+    return status;
+}
 
 typedef struct {
     const uint8_t *codes; /* the drafter's LM head [vocab, hidden], interleaved (vnni.c), with its scales, mins */
