@@ -139,11 +139,15 @@ class PackableLinear(nn.Module):
         w = self.weight.data
         self.take(int4_codes(w) if kind == "int4" and can_quantize("int4", w) else quantize_int8(w))
 
+    def takes_wide(self, rows: int) -> bool:
+        """Whether `matmul` projects `rows` rows through the fp32 copy of a quantized weight (the wide path)."""
+        return self.quant is not None and self.wide is not None and rows >= self.quant.wide_min_rows
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T on the local shard (x is cast to the weight's dtype; fp32 out on the wide path;
         bf16 out when quantized)."""
         if self.quant is not None:
-            if self.wide is not None and x.shape[0] >= self.quant.wide_min_rows:
+            if self.takes_wide(x.shape[0]):
                 return torch.nn.functional.linear(x.float(), self.wide)
             return self.quant.matmul(x)
         if deterministic() and use_triton(x):

@@ -86,23 +86,22 @@ class DraftFuse:
             fuse.scales.data_ptr(), fuse.mins.data_ptr(), fuse.bits,
         )  # fmt: skip
 
-    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
-        """hidden [rows, hidden], tokens [rows] (None: the embedding table's one row for every row) -> the fused
-        rows [rows, hidden] fp32 (bf16 values)."""
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden] and each row's next token [rows] (CPU tensors) -> the fused rows [rows, hidden]
+        fp32 (bf16 values)."""
         rows = hidden.shape[0]
-        if hidden.shape != (rows, self.hidden) or (tokens is not None and tokens.shape != (rows,)):
+        if hidden.shape != (rows, self.hidden) or tokens.shape != (rows,):
             raise ValueError(f"hidden {list(hidden.shape)} and tokens must hold the same rows of {self.hidden}")
-        x = _bf16(hidden)
-        ids = None if tokens is None else tokens.to(torch.int64).contiguous()
+        if hidden.device.type != "cpu" or tokens.device.type != "cpu":
+            raise ValueError(f"the native fusion reads CPU tensors, not {hidden.device} and {tokens.device}")
+        x, ids = _bf16(hidden), tokens.to(torch.int64).contiguous()
         out = torch.empty(rows, self.hidden)
         code = _library().draft_fuse_rows(
-            ctypes.byref(self.struct), x.data_ptr(), None if ids is None else ids.data_ptr(), rows, out.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+            ctypes.byref(self.struct), x.data_ptr(), ids.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
+        )
         if code == -1:
             raise MemoryError("draft_fuse_rows: out of memory")
         if code > 0:
-            assert ids is not None
             raise IndexError(f"token {int(ids[code - 1])} has no embedding")
         return out
 
@@ -146,6 +145,8 @@ class DraftChains:
         rows = sum(steps)
         if hidden.shape != (rows, self.hidden) or len(steps) != len(roots) or min(steps, default=0) < 0:
             raise ValueError(f"hidden {list(hidden.shape)} must hold the {rows} rows of steps {steps}")
+        if hidden.device.type != "cpu":
+            raise ValueError(f"native draft chains read CPU tensors, not {hidden.device}")
         x = hidden.to(torch.bfloat16).contiguous()
         logits = torch.empty(rows, self.vocab)
         tokens = torch.empty(rows, dtype=torch.int64)
@@ -159,5 +160,6 @@ class DraftChains:
         if code == -1:
             raise MemoryError("draft_chains: out of memory")
         if code > 0:
-            raise IndexError(f"request {code - 1}'s root {roots[code - 1]} is not a token of the target's vocabulary")
+            root = roots[code - 1]
+            raise IndexError(f"request {code - 1}'s root {root} (or a token its head maps to) is not a target token")
         return logits, tokens.tolist(), scores.tolist()

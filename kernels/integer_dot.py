@@ -224,10 +224,9 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_dt
 INTERLEAVE = 16  # output rows per block
 
 
-@functools.cache
 def vnni_supported() -> bool:
-    """Whether the kernel builds and this CPU has AVX512-F/BW/VNNI (then `vnni_matmul` runs on `vpdpbusd`; elsewhere
-    on AVX2)."""
+    """Whether the kernel builds, this CPU has AVX512-F/BW/VNNI and they are not turned off (`set_vnni`, or
+    `LYANNA_VNNI=0`): then `vnni_matmul` can run on `vpdpbusd`; elsewhere on AVX2."""
     lib = _library()
     return lib is not None and bool(lib.vnni_supported())
 

@@ -230,7 +230,10 @@ class LyannaDrafter(Drafter):
         next_tokens = [t for req, _, start, end in todo for t in req.token_ids(start + 1, end + 1)]
         positions = [p for _, _, start, end in todo for p in range(start, end)]
         ids = torch.tensor([next_tokens, positions], device=device)  # one host-to-device copy
-        x = m.fused_input(hidden, ids[0]) if self.fuse is None else self.fuse(hidden, ids[0]).to(hidden.dtype)
+        if self.fuse is not None and not m.fuse.takes_wide(hidden.shape[0]):
+            x = self.fuse(hidden, ids[0]).to(hidden.dtype)
+        else:  # (and the rows a CPU without bf16 arithmetic projects through an fp32 copy: a prompt read at once)
+            x = m.fused_input(hidden, ids[0])
         if self.fused_layer is not None:
             return self._advance_fused(spans, todo, x)
         q, k, v = m._qkv(x, ids[1])

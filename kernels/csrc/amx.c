@@ -201,9 +201,9 @@ AMX_FN void amx_blocks(const uint8_t *codes, const uint16_t *d, const uint16_t *
     }
     _tile_release();
     free(unpacked);
-    if (whole < rows)
-        vnni_blocks(codes, d, m, bits, n, k, xq + whole * k, dx + whole * groups, sx + whole * groups, rows - whole,
-                    out + whole * n, b0, b1);
+    if (whole < rows) /* fewer than 16 rows: the path measured for them (never AMX again) */
+        interleaved_blocks(codes, d, m, bits, n, k, xq + whole * k, dx + whole * groups, sx + whole * groups,
+                           rows - whole, out + whole * n, b0, b1);
 }
 
 /* Weight blocks [b0, b1) of an interleaved weight (vnni.c's layout) as bf16 tiles for amx_bf16_blocks: wb holds,

@@ -49,14 +49,14 @@ static void norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps
         out[i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * inv)));
 }
 
-/* x [rows, hidden] fp32 = W_fuse [norm_h(h_r); norm_e(E[tokens[r]])] for h [rows, hidden] bf16; tokens NULL: every
- * row's embedding is `embed`'s row 0 (chain fusion's learned token-free embedding). Returns 0, -1 without memory,
- * or 1 + r for row r whose token has no embedding. */
+/* x [rows, hidden] fp32 = W_fuse [norm_h(h_r); norm_e(E[tokens[r]])] for h [rows, hidden] bf16. Returns 0, -1
+ * without memory, or 1 + r for row r whose token has no embedding. */
 int draft_fuse_rows(const DraftFuse *f, const uint16_t *h, const int64_t *tokens, int64_t rows, float *x,
                     int threads) {
     const int64_t H = f->hidden, k = 2 * H, groups = k / GROUP;
-    for (int64_t r = 0; tokens && r < rows; r++)
+    for (int64_t r = 0; r < rows; r++)
         if (tokens[r] < 0 || tokens[r] >= f->vocab) return (int)(1 + r);
+    if (rows == 0) return 0;
     uint16_t *cat = malloc(sizeof(uint16_t) * (size_t)(rows * k));
     int8_t *xq = malloc((size_t)(rows * k));
     float *dx = malloc(sizeof(float) * (size_t)(rows * groups)), *sx = malloc(sizeof(float) * (size_t)(rows * groups));
@@ -64,7 +64,7 @@ int draft_fuse_rows(const DraftFuse *f, const uint16_t *h, const int64_t *tokens
     if (cat && xq && dx && sx) {
         for (int64_t r = 0; r < rows; r++) {
             norm_bf16(h + r * H, f->hidden_norm, H, f->eps, cat + r * k);
-            norm_bf16(f->embed + (tokens ? tokens[r] : 0) * H, f->embed_norm, H, f->eps, cat + r * k + H);
+            norm_bf16(f->embed + tokens[r] * H, f->embed_norm, H, f->eps, cat + r * k + H);
         }
         quantize_activations(cat, rows, k, xq, dx, sx);
         vnni_gemm(f->codes, f->scales, f->mins, (int)f->bits, H, k, xq, dx, sx, rows, x, threads);
@@ -122,8 +122,8 @@ static int64_t top_and_logsumexp(const float *z, int64_t n, float *lse) {
 
 /* For `requests` chains of steps[b] depths each (rows = their sum, request by request): h [rows, hidden] bf16, the
  * trajectories; roots [requests]. Writes the raw head logits [rows, vocab] fp32, each depth's token and running
- * score [rows]. Returns 0, -1 without memory, or 1 + b for request b whose root or a drafted token is not a
- * target token. */
+ * score [rows]. Returns 0, -1 without memory, or 1 + b for the first request b whose root (or a drafted token:
+ * a d2t entry) is not a target token. */
 int draft_chains(const ChainHead *h, const uint16_t *hidden, int64_t requests, const int64_t *steps,
                  const int64_t *roots, float *logits, int64_t *tokens, float *scores, int threads) {
     int64_t rows = 0;
@@ -132,7 +132,8 @@ int draft_chains(const ChainHead *h, const uint16_t *hidden, int64_t requests, c
     const int64_t k = h->hidden, groups = k / GROUP, vocab = h->vocab;
     int8_t *xq = malloc((size_t)(rows * k));
     float *dx = malloc(sizeof(float) * (size_t)(rows * groups)), *sx = malloc(sizeof(float) * (size_t)(rows * groups));
-    float *z = malloc(sizeof(float) * (size_t)(vocab * (requests < threads ? requests : threads)));
+    const int team = (int)(requests < threads ? requests : threads);
+    float *z = malloc(sizeof(float) * (size_t)(vocab * team)); /* a row of scratch per thread of the team */
     int status = 0;
     if (!xq || !dx || !sx || !z) {
         status = -1;
@@ -144,7 +145,7 @@ int draft_chains(const ChainHead *h, const uint16_t *hidden, int64_t requests, c
             status = -1;
         } else {
             for (int64_t b = 0, at = 0; b < requests; at += steps[b++]) first[b] = at;
-#pragma omp parallel for schedule(static) num_threads(threads) if (requests > 1)
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
             for (int64_t b = 0; b < requests; b++) {
                 float *zb = z + vocab * omp_get_thread_num();
                 int64_t token = roots[b];
@@ -153,7 +154,7 @@ int draft_chains(const ChainHead *h, const uint16_t *hidden, int64_t requests, c
                     const int64_t row = first[b] + s;
                     if (token < 0 || token >= h->target_vocab) {
 #pragma omp critical
-                        status = status ? status : (int)(1 + b);
+                        status = status > 0 && status <= b ? status : (int)(1 + b);
                         break;
                     }
                     memcpy(zb, logits + row * vocab, sizeof(float) * (size_t)vocab);

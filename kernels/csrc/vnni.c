@@ -283,7 +283,9 @@ static double time_path(int path, const uint8_t *codes, const uint16_t *d, int64
 
 /* Time every path that runs now for each class of row counts and keep the fastest (see kernel_path); returns 0,
  * or -1 without memory (the defaults then stay). The weight (4-bit, 2048 x 2048: 2 MiB) is the size of a
- * decoder's projection, its values arbitrary: the time of an integer dot product does not depend on them. */
+ * decoder's projection, its values arbitrary: the time of an integer dot product does not depend on them. It is
+ * timed from the caches, so the choice is the faster arithmetic (a decode that streams its weights from memory
+ * runs at the memory's speed on either path), and the 16+ class at 32 rows. */
 int kernel_paths_measure(int threads) {
     const int64_t n = 2048, k = 2048, most = 32, groups = k / GROUP;
     uint8_t *codes = malloc((size_t)(n * k / 2));

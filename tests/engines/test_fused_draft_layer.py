@@ -168,7 +168,7 @@ def test_native_chains_are_the_python_chains(engine):
             assert tree.tokens[1:] == tokens[at : at + n]
             assert scores[at : at + n] == pytest.approx(tree.scores[1:], rel=1e-4)
             at += n
-    with pytest.raises(IndexError, match="not a token"):
+    with pytest.raises(IndexError, match="not a target token"):
         chains(hidden[:1], [1], [model.embed.shape[0]])
 
 

@@ -3,6 +3,8 @@ among the paths this CPU runs, recorded by the benchmarks, and without effect on
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,15 +16,15 @@ pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU
 
 @pytest.fixture
 def paths_restored():
-    """Leaves the VNNI and AMX kernels on (and the paths measured again) whatever a test does."""
+    """Leaves the VNNI and AMX kernels as the environment set them (and the paths measured again)."""
     yield
-    integer_dot.set_vnni(True)
-    integer_dot.set_amx(True)
+    integer_dot.set_vnni(os.environ.get("LYANNA_VNNI", "1") != "0")
+    integer_dot.set_amx(os.environ.get("LYANNA_AMX", "1") != "0")
 
 
 def runs_here(path: str, label: str) -> bool:
     if path == "vnni":
-        return bool(integer_dot.library().vnni_supported())
+        return integer_dot.vnni_supported()
     if path == "amx":
         return integer_dot.amx_active() and label == "16+"
     return path == "avx2"
