@@ -53,17 +53,6 @@ class _ChainHead(ctypes.Structure):
     ]
 
 
-def _library() -> ctypes.CDLL:
-    lib = integer_dot.library()
-    if not getattr(lib, "_draft_chains_typed", False):
-        lib.draft_chains.argtypes = [_p, _p, _i64, _p, _p, _p, _p, _p, ctypes.c_int]
-        lib.draft_chains.restype = ctypes.c_int
-        lib.draft_fuse_rows.argtypes = [_p, _p, _p, _i64, _p, ctypes.c_int]
-        lib.draft_fuse_rows.restype = ctypes.c_int
-        lib._draft_chains_typed = True
-    return lib
-
-
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.bfloat16).contiguous()
 
@@ -96,7 +85,7 @@ class DraftFuse:
             raise ValueError(f"the native fusion reads CPU tensors, not {hidden.device} and {tokens.device}")
         x, ids = _bf16(hidden), tokens.to(torch.int64).contiguous()
         out = torch.empty(rows, self.hidden)
-        code = _library().draft_fuse_rows(
+        code = integer_dot.library().draft_fuse_rows(
             ctypes.byref(self.struct), x.data_ptr(), ids.data_ptr(), rows, out.data_ptr(), torch.get_num_threads()
         )
         if code == -1:
@@ -113,7 +102,7 @@ class DraftChains:
     def __init__(self, head: QuantizedWeight, target_vocab: int, token_info=None, d2t: torch.Tensor | None = None):
         if head.layout != "vnni" or head.mins is None:
             raise ValueError(f"draft chains need the head in the interleaved layout, not {head.layout!r}")
-        self.head, self.vocab, self.hidden = head, head.out_features, head.in_features
+        self.vocab, self.hidden = head.out_features, head.in_features
         held = [head.data, head.scales, head.mins]
         projected = gram = w2 = None
         rank, eps = 0, 0.0
@@ -153,7 +142,7 @@ class DraftChains:
         scores = torch.empty(rows)
         meta = torch.tensor([*steps, *roots], dtype=torch.int64)
         n = len(steps)
-        code = _library().draft_chains(
+        code = integer_dot.library().draft_chains(
             ctypes.byref(self.struct), x.data_ptr(), n, meta.data_ptr(), meta.data_ptr() + 8 * n, logits.data_ptr(),
             tokens.data_ptr(), scores.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
@@ -162,4 +151,4 @@ class DraftChains:
         if code > 0:
             root = roots[code - 1]
             raise IndexError(f"request {code - 1}'s root {root} (or a token its head maps to) is not a target token")
-        return logits, tokens.tolist(), scores.tolist()
+        return logits, tokens.tolist(), scores.tolist()  # the trees are built on the host (CPU tensors only)

@@ -120,6 +120,10 @@ def _library() -> ctypes.CDLL | None:
     lib.kernel_path.restype = i32
     lib.kernel_paths_measure.argtypes = [i32]
     lib.kernel_paths_measure.restype = i32
+    lib.draft_chains.argtypes = [p, p, i64, p, p, p, p, p, i32]  # kernels/draft_native.py
+    lib.draft_chains.restype = i32
+    lib.draft_fuse_rows.argtypes = [p, p, p, i64, p, i32]
+    lib.draft_fuse_rows.restype = i32
     lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
     lib.vnni_configure(int(os.environ.get("LYANNA_VNNI", "1") != "0"))  # 0: AVX2's kernels (the same numbers)
     _measure_paths(lib)
@@ -242,21 +246,22 @@ def set_amx(on: bool) -> bool:
     """Turn the AMX kernels on or off for this process (on only where they run); returns whether they are on.
     Off, the fused decoder computes the same projections through csrc/vnni.c and reads long prompts in
     pieces of `fused_decoder.MAX_ROWS` rows at most."""
-    lib = _library()
-    if lib is None:
-        return False
-    active = bool(lib.amx_configure(int(on)))
-    _measure_paths(lib)
-    return active
+    return _switch("amx_configure", on)
 
 
 def set_vnni(on: bool) -> bool:
     """Turn the AVX512-VNNI kernels on or off for this process (on only where the CPU has them); returns whether
     they are on. Off, the interleaved layouts take AVX2's kernels: the same numbers (csrc/vnni.c)."""
+    return _switch("vnni_configure", on)
+
+
+def _switch(configure: str, on: bool) -> bool:
+    """Turn a kind of kernel on or off through its C `configure` function, then measure the paths again (what
+    runs changed); returns whether that kind now runs."""
     lib = _library()
     if lib is None:
         return False
-    active = bool(lib.vnni_configure(int(on)))
+    active = bool(getattr(lib, configure)(int(on)))
     _measure_paths(lib)
     return active
 
