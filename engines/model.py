@@ -400,6 +400,12 @@ class LlamaModel(nn.Module):
         hidden, tokens = fused.argmax_rows(x, positions, meta, self._greedy_head_for(head))
         return hidden.to(self.dtype), tokens
 
+    def greedy_head(self) -> fused_decoder.GreedyHead | None:
+        """The fused decoder's view of the LM head and embeddings (`greedy_steps`'), or None where the head has
+        no integer-dot layout."""
+        head = self.lm_head_quant
+        return None if head is None or head.layout != "vnni" else self._greedy_head_for(head)
+
     def _greedy_head_for(self, head: QuantizedWeight) -> fused_decoder.GreedyHead:
         """The fused decoder's view of the LM head and embeddings, rebuilt when the head was swapped."""
         if self._greedy_head is None or self._greedy_head[0] is not head:

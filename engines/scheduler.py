@@ -15,6 +15,9 @@ MAX_FINISHED_PREFIXES = 1024  # finished requests whose `FinishedPrefix` waits f
 # fast at batch 1 and 4, 1.07x at 8 and no faster at 16, where the host's share of a step is small and a
 # request arriving waits for the whole call.
 MULTI_STEP_MAX_SEQS = 8
+# Sequences whose width-1 drafts take several rounds a call at most (the executor's spec rounds): on the 2-core Zen 4
+# a round of 4 sequences' chains costs more than a step of the executor's own (docs/results.md), so for now one.
+SPEC_ROUNDS_MAX_SEQS = 1
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class Scheduler:
     ):
         self.kv = kv_cache
         self.multi_step = multi_step
+        # the executor runs several rounds of width-1 drafts a call (SpecDecodeExecutor.takes_spec_rounds)
+        self.spec_rounds = False
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
@@ -229,24 +234,29 @@ class Scheduler:
     def _grant_lookaheads(self, out: SchedulerOutput, budget: int) -> None:
         """In a step of decodes only (no prompt read, nothing preempted, at most `MULTI_STEP_MAX_SEQS`), grant
         each request that does not speculate but may take several decode steps a call the tokens and blocks
-        of up to `multi_step` - 1 more, within its `max_tokens`, the `budget` of tokens left and the free
-        KV blocks."""
+        of up to `multi_step` - 1 more (with `spec_rounds`, a request granted a draft those of up to
+        `multi_step` - 1 more rounds of a draft as large), within its `max_tokens`, the `budget` of tokens left
+        and the free KV blocks."""
         if self.multi_step < 2 or not 0 < len(out.scheduled) <= MULTI_STEP_MAX_SEQS or out.preempted:
             return
         for s in out.scheduled:  # a prompt is read, or a request takes one step a call: one step for all
             if s.request.num_tokens - s.request.num_computed_tokens != 1 or not s.request.multi_step_ok:
                 return
         for i, s in enumerate(out.scheduled):
-            req = s.request
-            if s.num_draft_tokens or req.spec is not None:
+            req, drafts = s.request, s.num_draft_tokens
+            if req.spec is None and not drafts:
+                want = self.multi_step - 1
+            elif self.spec_rounds and drafts and len(out.scheduled) <= SPEC_ROUNDS_MAX_SEQS:  # (executor's spec rounds)
+                want = (self.multi_step - 1) * (drafts + 1)
+            else:
                 continue
             have = len(self.kv.block_tables.get(req.request_id, ()))
-            room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens - 1
+            room = (have + self.kv.allocator.num_free) * self.kv.block_size - req.num_computed_tokens - 1 - drafts
             left = req.max_tokens - len(req.output_token_ids) - 1
-            ahead = max(0, min(self.multi_step - 1, left, budget, room))
+            ahead = max(0, min(want, left, budget, room))
             if ahead:
-                self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + ahead)
-                out.scheduled[i] = ScheduledRequest(req, 1, num_lookahead_tokens=ahead)
+                self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + drafts + ahead)
+                out.scheduled[i] = ScheduledRequest(req, 1, num_draft_tokens=drafts, num_lookahead_tokens=ahead)
                 budget -= ahead
 
     def _preempt(self, req: Request) -> None:

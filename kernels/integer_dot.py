@@ -35,9 +35,9 @@ import torch
 GROUP = 32
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c", "argmax.c", "draft_native.c")
+    for name in ("int4_gemm.c", "decoder.c", "vnni.c", "amx.c", "argmax.c", "draft_native.c", "spec_rounds.c")
 )
-HEADERS = (Path(__file__).parent / "csrc" / "integer_dot.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("integer_dot.h", "decoder.h", "draft_native.h"))
 # No contraction of a * b + c into FMAs at the compiler's choice: it may choose differently in each inlined
 # copy of a row's code, and a row's result would then depend on how many rows it was computed with.
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -124,6 +124,8 @@ def _library() -> ctypes.CDLL | None:
     lib.draft_chains.restype = i32
     lib.draft_fuse_rows.argtypes = [p, p, p, i64, p, i32]
     lib.draft_fuse_rows.restype = i32
+    lib.spec_rounds.argtypes = [p, i64, p, p, p, p, i64, i64, p, i64, i64, i32, p, p, p, p]  # kernels/spec_rounds.py
+    lib.spec_rounds.restype = i32
     lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
     lib.vnni_configure(int(os.environ.get("LYANNA_VNNI", "1") != "0"))  # 0: AVX2's kernels (the same numbers)
     _measure_paths(lib)

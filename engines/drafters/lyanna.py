@@ -209,6 +209,31 @@ class LyannaDrafter(Drafter):
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
 
+    # ---- speculative rounds in one native call (kernels/spec_rounds.py) ------------------------------
+    def takes_rounds(self) -> bool:
+        """Whether its width-1 chains can run as native rounds beside the fused decoder: the fused layer, the
+        native chains and fusion, and a trajectory that reads the hidden state alone (no `chain_fusion`)."""
+        native = self.fused_layer is not None and self.chains is not None and self.fuse is not None
+        return native and self.model.cfg.use_fusion and self.model.chain_embed is None
+
+    def rounds_inputs(self, requests: list[Request]) -> torch.Tensor | None:
+        """Each request's drafter output at its last context position ([B, hidden] bf16), its context read
+        first; None where any request has no context yet (its hidden states not produced)."""
+        self._flush_store()
+        states = self._ready_states(requests)
+        if any(st is None for st in states):
+            return None
+        return torch.cat([st.last_out for st in states]).contiguous()  # type: ignore[union-attr]
+
+    def on_rounds(self, request: Request, hidden: torch.Tensor, last_out: torch.Tensor) -> None:
+        """Native rounds committed `hidden`'s rows ([n, hidden] bf16, the target's states of the positions from
+        the request's computed tokens on) and read them: `last_out` [1, hidden] is its output at the last."""
+        start = request.num_computed_tokens
+        self._store(request, start, hidden)
+        self._record(request, start, hidden.unbind(0))
+        st = self.states[request.request_id]
+        st.processed, st.last_out, st.logits, st.pending = start + hidden.shape[0], last_out, None, None
+
     # ---- drafting -------------------------------------------------------------------------------
     def catch_up(self, requests: list[Request]) -> list[int]:
         self._flush_store()

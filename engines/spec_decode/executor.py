@@ -24,20 +24,22 @@ import torch
 from engines.attention import attention_keys
 from engines.draft_tree import DraftTree
 from engines.drafters.base import Drafter
+from engines.drafters.lyanna import LyannaDrafter
 from engines.drafters.text_first import TextFirstDrafter
 from engines.kv_cache import PagedKVCache
 from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
 from engines.request import Request, TokenLogprob
 from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample, vocab_argmax
-from engines.scheduler import MULTI_STEP_MAX_SEQS, ScheduledRequest, SchedulerOutput
-from engines.spec_decode.policy import SpeculationPolicy, StepRecord
+from engines.scheduler import MULTI_STEP_MAX_SEQS, SPEC_ROUNDS_MAX_SEQS, ScheduledRequest, SchedulerOutput
+from engines.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats, StepProfile
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
 from engines.structured_output import MaskedRows, mask_logits, prune_draft
 from engines.verification import VerifyItem, VerifyResult, verify_batch, verify_greedy
 from kernels.fused_decoder import native_seconds
+from kernels.spec_rounds import SpecRounds
 
 
 @dataclass
@@ -82,6 +84,9 @@ class SpecDecodeExecutor:
         self._last_step: tuple[str, int, dict[str, float], float] | None = None
         # the last step's outcome kind for the policy ("text", "plain"; None: not one it compares), and requests
         self._last_outcome: tuple[str | None, int] = (None, 0)
+        # Lyanna's width-1 chains as native rounds beside the fused decoder (`_execute_spec_rounds`); None: not
+        # built yet, False: they do not apply
+        self._rounds: SpecRounds | bool | None = None
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
@@ -91,6 +96,11 @@ class SpecDecodeExecutor:
         if self.drafter is not None:
             for req, num_cached in sched.cache_hits:  # admitted on cached blocks: the drafter's context for them
                 self.drafter.on_cached_prefix(req, num_cached)
+        depth = self._rounds_depth(scheduled)
+        if depth:
+            results = self._execute_spec_rounds(scheduled, depth, began)
+            if results is not None:
+                return results
         record = StepRecord(num_tokens=0, target_s=0.0)
         drafts = self._draft(scheduled, record)
         # what the policy compares: steps of decoding requests only that verified the text drafter's trees or none
@@ -213,6 +223,95 @@ class SpecDecodeExecutor:
         }
         self._last_step = ("multi", B * steps, phases, 0.0)
         return [RequestStepResult(s.request, steps, ids) for s, ids in zip(scheduled, per_request, strict=True)]
+
+    # ---- several rounds of draft and verification in one call ------------------------------------------
+    def takes_spec_rounds(self) -> bool:
+        """Whether steps whose every request drafts a greedy width-1 chain run up to `multi_step` rounds of
+        drafting, verification and acceptance in one native call (`_execute_spec_rounds`): under the fixed
+        policy, with Lyanna drafting natively beside the target's fused decoder."""
+        return self._spec_rounds() is not None
+
+    def _spec_rounds(self) -> SpecRounds | None:
+        if self._rounds is None:
+            drafter, model = self.drafter, getattr(self.runner, "model", None)
+            applies = (
+                self.multi_step > 1
+                and isinstance(self.policy, FixedPolicy)
+                and isinstance(drafter, LyannaDrafter)
+                and drafter.takes_rounds()
+                and model is not None
+                and model.takes_greedy_steps(self.kv)
+            )
+            if applies:
+                assert isinstance(drafter, LyannaDrafter) and drafter.fused_layer is not None
+                assert drafter.fuse is not None and drafter.chains is not None
+                norm = drafter.model.norm
+                self._rounds = SpecRounds(drafter.fused_layer, drafter.fuse, drafter.chains, norm.weight, norm.eps)
+            else:
+                self._rounds = False
+        return self._rounds or None
+
+    def _rounds_depth(self, scheduled: list[ScheduledRequest]) -> int:
+        """The chain depth of a step that runs as native rounds (`takes_spec_rounds`): every scheduled request
+        (at most `SPEC_ROUNDS_MAX_SEQS`) decodes past its prompt without log-probabilities or a grammar and was
+        granted a width-1 draft; the shallowest of their depths. 0: the step runs otherwise."""
+        if not 0 < len(scheduled) <= SPEC_ROUNDS_MAX_SEQS or self._spec_rounds() is None:
+            return 0
+        depth = None
+        for s in scheduled:
+            req, spec = s.request, s.request.spec
+            if spec is None or spec.width != 1 or not s.num_draft_tokens or s.num_new_tokens != 1:
+                return 0
+            if req.num_computed_tokens + 1 != req.num_tokens or not req.multi_step_ok:
+                return 0
+            d = min(spec.depth, spec.budget, s.num_draft_tokens)
+            depth = d if depth is None else min(depth, d)
+        return depth or 0
+
+    def _execute_spec_rounds(
+        self, scheduled: list[ScheduledRequest], depth: int, began: float
+    ) -> list[RequestStepResult] | None:
+        """Up to `multi_step` rounds of `depth`-token chains for every scheduled request in one native call
+        (kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead); a
+        request's results are every token the rounds committed. None where a request's drafter has no context
+        yet: the step then runs as usual."""
+        rounds, drafter, model = self._spec_rounds(), self.drafter, self.runner.model
+        assert rounds is not None and isinstance(drafter, LyannaDrafter)
+        requests = [s.request for s in scheduled]
+        start = time.perf_counter()
+        last_out = drafter.rounds_inputs(requests)
+        if last_out is None:
+            return None
+        read_s = time.perf_counter() - start
+        rows = [self.kv.block_tables[r.request_id] for r in requests]
+        tables = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+        for b, row in enumerate(rows):
+            tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        roots = [r.token_ids(r.num_tokens - 1, r.num_tokens)[0] for r in requests]
+        rooms = [1 + s.num_draft_tokens + s.num_lookahead_tokens for s in scheduled]
+        call, native = time.perf_counter(), native_seconds()
+        target, head = model.fused_decoder(self.kv, 1), model.greedy_head()
+        out = rounds(target, head, roots, [r.num_tokens for r in requests], rooms, tables, last_out, depth,
+                     self.multi_step)  # fmt: skip
+        forward_s = time.perf_counter() - call
+        forward, launch = _native_split(forward_s, native_seconds() - native, call - start - read_s)
+        results = []
+        for b, req in enumerate(requests):
+            tokens, accepted = out.tokens[b], out.accepted[b]
+            drafter.on_rounds(req, out.hidden[b, : len(tokens)].clone(), last_out[b : b + 1].clone())
+            for a in accepted:
+                self.stats.record_chain(depth, a)
+            results.append(
+                RequestStepResult(req, len(tokens), tokens, num_draft_tokens=depth * len(accepted),
+                                  num_accepted_tokens=sum(accepted))
+            )  # fmt: skip
+        self.num_forwards += max(len(r) for r in out.accepted)
+        self._last_outcome = (None, len(scheduled))
+        phases = {"catch_up": read_s, "launch": launch, "forward": forward,
+                  "verify": time.perf_counter() - call - forward_s}  # fmt: skip
+        emitted = sum(len(r.token_ids) for r in results)
+        self._last_step = ("rounds", emitted, phases, time.perf_counter() - began)
+        return results
 
     # ---- drafting ----------------------------------------------------------------------------
     def _draft(self, scheduled: list[ScheduledRequest], record: StepRecord) -> list[DraftTree | None]:

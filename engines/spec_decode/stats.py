@@ -20,18 +20,25 @@ class SpecStats:
 
     def record(self, tree: DraftTree, result: VerifyResult) -> None:
         """Count one verified draft."""
-        self.num_steps += 1
-        self.num_draft_tokens += tree.num_draft
-        self.num_accepted_tokens += result.num_accepted
         last = result.path[-1]
         # Depth d could be accepted if depth d-1 was and that node had children to try.
         reachable = result.num_accepted + (1 if any(p == last for p in tree.parents) else 0)
+        self._count(tree.num_draft, result.num_accepted, reachable)
+
+    def record_chain(self, depth: int, accepted: int) -> None:
+        """Count one verified chain of `depth` drafts whose first `accepted` were accepted."""
+        self._count(depth, accepted, accepted + (accepted < depth))
+
+    def _count(self, num_draft: int, accepted: int, reachable: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += accepted
         for d in range(1, reachable + 1):
             while len(self.reached_depth) < d:
                 self.reached_depth.append(0)
                 self.accepted_depth.append(0)
             self.reached_depth[d - 1] += 1
-            if d <= result.num_accepted:
+            if d <= accepted:
                 self.accepted_depth[d - 1] += 1
 
     def add(self, other: SpecStats) -> None:

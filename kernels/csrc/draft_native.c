@@ -22,23 +22,11 @@
 #include <stdlib.h>
 
 #include "integer_dot.h"
-
-void quantize_activations(const uint16_t *x, int64_t rows, int64_t k, int8_t *xq, float *dx, float *sx);
-void vnni_gemm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int bits, int64_t n, int64_t k,
-               const int8_t *xq, const float *dx, const float *sx, int64_t rows, float *out, int threads);
-
-typedef struct {
-    const uint16_t *hidden_norm, *embed_norm; /* [hidden] bf16 norm weights */
-    const uint16_t *embed;                    /* [vocab, hidden] bf16: the token embeddings */
-    int64_t vocab, hidden;
-    float eps;
-    const uint8_t *codes; /* W_fuse [hidden, 2 hidden], interleaved (vnni.c), with its scales and mins */
-    const uint16_t *scales, *mins;
-    int64_t bits;
-} DraftFuse;
+#include "decoder.h"
+#include "draft_native.h"
 
 /* out = RMSNorm(x) * w in bf16, as engines/model.py's RMSNorm computes it for bf16 rows. */
-static void norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+void norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
     float sum = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         const float v = bf16_to_float(x[i]);
@@ -75,17 +63,6 @@ int draft_fuse_rows(const DraftFuse *f, const uint16_t *h, const int64_t *tokens
     return status;
 }
 
-typedef struct {
-    const uint8_t *codes; /* the drafter's LM head [vocab, hidden], interleaved (vnni.c), with its scales, mins */
-    const uint16_t *scales, *mins;
-    int64_t bits, vocab, hidden;
-    const float *projected; /* [target_vocab, rank] W_E W1, or NULL: no token information */
-    const float *gram;      /* [rank, rank] */
-    const float *w2;        /* [rank, vocab], the norm's weight folded in */
-    int64_t rank, target_vocab;
-    float eps;
-    const int64_t *d2t; /* [vocab] target token of each head row, or NULL: row i is token i */
-} ChainHead;
 
 /* z += r(token) (DenseTokenInfo's arithmetic, fp32). */
 static void add_token_info(const ChainHead *h, int64_t token, float *z) {

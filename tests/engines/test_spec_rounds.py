@@ -1,0 +1,82 @@
+"""Lyanna's width-1 chains as several native rounds a call (kernels/spec_rounds.py, the executor's spec rounds):
+greedy answers are plain decoding's, drafts are accepted as the step-by-step path accepts them, and a request
+stops where its tokens or its grant end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.engine import EngineConfig, LLMEngine
+from engines.sampling import SamplingParams
+from kernels import integer_dot
+from tests.conftest import CHAT_PROMPTS
+
+pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="the integer-dot kernels do not build here")
+
+
+def lyanna_chains(depth: int, multi_step: int = 4) -> LLMEngine:
+    cfg = EngineConfig(num_kv_blocks=256, drafter="lyanna", spec_policy="fixed", spec_depth=depth, spec_width=1,
+                       spec_budget=depth, multi_step=multi_step)  # fmt: skip
+    return LLMEngine(cfg)
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLMEngine:
+    return LLMEngine(EngineConfig(num_kv_blocks=256, drafter="none"))
+
+
+@pytest.fixture(scope="module")
+def rounds() -> LLMEngine:
+    engine = lyanna_chains(2)
+    assert engine.executor.takes_spec_rounds() and engine.scheduler.spec_rounds
+    return engine
+
+
+def test_rounds_answer_as_plain_decoding(plain, rounds):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = [c.token_ids for c in plain.generate(CHAT_PROMPTS, params)]
+    got = []
+    for prompt in CHAT_PROMPTS:  # one at a time: the rounds serve one sequence
+        got.append(rounds.generate([prompt], params)[0].token_ids)
+    assert got == want
+    steps = rounds.executor.profile.breakdown()
+    assert steps["rounds"]["steps"] > 0
+    # a call commits the tokens of several rounds
+    assert steps["rounds"]["tokens_per_step"] > 2.0
+    stats = rounds.executor.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens == 2 * stats.num_steps
+
+
+def test_rounds_accept_as_the_step_by_step_path_accepts(rounds):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    stepwise = lyanna_chains(2, multi_step=1)  # one verification a step: the executor's own path
+    assert not stepwise.executor.takes_spec_rounds()
+    counts = []
+    for engine in (rounds, stepwise):
+        stats = engine.executor.stats
+        before = (stats.num_steps, stats.num_accepted_tokens)
+        for prompt in CHAT_PROMPTS:
+            engine.generate([prompt], params)
+        counts.append((stats.num_steps - before[0], stats.num_accepted_tokens - before[1]))
+    # the same drafts but where the drafter's output norm, summed in another order, tips a near tie
+    (steps_a, accepted_a), (steps_b, accepted_b) = counts
+    assert accepted_a > 0 and abs(accepted_a / steps_a - accepted_b / steps_b) < 0.1
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_rounds_stop_at_max_tokens(plain, rounds, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    want = plain.generate(CHAT_PROMPTS[:1], params)[0]
+    got = rounds.generate(CHAT_PROMPTS[:1], params)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == max_tokens
+    assert got.finish_reason == want.finish_reason
+
+
+def test_batches_take_the_step_by_step_path(plain, rounds):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    before = rounds.executor.profile.breakdown().get("rounds", {}).get("steps", 0)
+    got = [c.token_ids for c in rounds.generate(CHAT_PROMPTS, params)]
+    assert got == [c.token_ids for c in plain.generate(CHAT_PROMPTS, params)]
+    # three requests at once: verified as trees, step by step (prompts read apart, so a lone one may round)
+    assert rounds.executor.profile.breakdown()["tree"]["steps"] > 0
+    assert rounds.executor.profile.breakdown().get("rounds", {}).get("steps", 0) - before < 24
