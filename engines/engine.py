@@ -401,7 +401,7 @@ class LLMEngine:
             req.num_forwards += 1
             req.num_computed_tokens += r.num_computed_tokens
             if r.num_draft_tokens:
-                req.num_spec_steps += 1
+                req.num_spec_steps += r.num_verifications
                 req.num_draft_tokens += r.num_draft_tokens
                 req.num_accepted_tokens += r.num_accepted_tokens
             if r.prompt_logprobs:

@@ -15,9 +15,10 @@ MAX_FINISHED_PREFIXES = 1024  # finished requests whose `FinishedPrefix` waits f
 # fast at batch 1 and 4, 1.07x at 8 and no faster at 16, where the host's share of a step is small and a
 # request arriving waits for the whole call.
 MULTI_STEP_MAX_SEQS = 8
-# Sequences whose width-1 drafts take several rounds a call at most (the executor's spec rounds): on the 2-core Zen 4
-# a round of 4 sequences' chains costs more than a step of the executor's own (docs/results.md), so for now one.
-SPEC_ROUNDS_MAX_SEQS = 1
+# Sequences whose width-1 drafts take several rounds a call at most (the executor's spec rounds): as many as multi-step
+# decodes (a request arriving waits for the whole call).
+SPEC_ROUNDS_MAX_SEQS = MULTI_STEP_MAX_SEQS
+SPEC_ROUNDS_MAX_DEPTH = 3  # the deepest chain the rounds run: the grant of further rounds is sized by it
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class Scheduler:
             if req.spec is None and not drafts:
                 want = self.multi_step - 1
             elif self.spec_rounds and drafts and len(out.scheduled) <= SPEC_ROUNDS_MAX_SEQS:  # (executor's spec rounds)
-                want = (self.multi_step - 1) * (drafts + 1)
+                want = (self.multi_step - 1) * (min(drafts, SPEC_ROUNDS_MAX_DEPTH) + 1)
             else:
                 continue
             have = len(self.kv.block_tables.get(req.request_id, ()))

@@ -126,6 +126,8 @@ def _library() -> ctypes.CDLL | None:
     lib.draft_fuse_rows.restype = i32
     lib.spec_rounds.argtypes = [p, i64, p, p, p, p, i64, i64, p, i64, i64, i32, p, p, p, p]  # kernels/spec_rounds.py
     lib.spec_rounds.restype = i32
+    lib.spec_rounds_profile.argtypes = [p]
+    lib.spec_rounds_profile.restype = i32
     lib.amx_configure(int(os.environ.get("LYANNA_AMX", "1") != "0"))
     lib.vnni_configure(int(os.environ.get("LYANNA_VNNI", "1") != "0"))  # 0: AVX2's kernels (the same numbers)
     _measure_paths(lib)

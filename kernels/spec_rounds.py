@@ -46,6 +46,17 @@ class RoundsResult:
     hidden: torch.Tensor  # [seqs, rounds * (depth + 1), hidden] bf16: the target's normed rows of those positions
 
 
+PHASES = ("trajectory", "chains", "forward", "head", "accept", "catch_up")  # csrc/spec_rounds.c's, in order
+
+
+def phase_seconds() -> dict[str, float]:
+    """Seconds every call of the rounds has spent in each phase since start (the drafter's trajectory, its chains,
+    the target's forward, its LM head and argmax, acceptance, the drafter's catch-up)."""
+    out = (ctypes.c_double * len(PHASES))()
+    integer_dot.library().spec_rounds_profile(out)
+    return dict(zip(PHASES, out, strict=True))
+
+
 def _current(layers: _Layers) -> _Layers:
     """The view, rebuilt where the model's tensors were swapped since it was built."""
     if layers._sources() != layers._sources_at_build:

@@ -31,15 +31,21 @@ from engines.logprobs import LogprobRows, LogprobsMode
 from engines.model_runner import ModelRunner, StepResult
 from engines.request import Request, TokenLogprob
 from engines.sampling import SamplingParams, gumbel_argmax, processed_logprobs, sample, vocab_argmax
-from engines.scheduler import MULTI_STEP_MAX_SEQS, SPEC_ROUNDS_MAX_SEQS, ScheduledRequest, SchedulerOutput
-from engines.spec_decode.policy import FixedPolicy, SpeculationPolicy, StepRecord
+from engines.scheduler import (
+    MULTI_STEP_MAX_SEQS,
+    SPEC_ROUNDS_MAX_DEPTH,
+    SPEC_ROUNDS_MAX_SEQS,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from engines.spec_decode.policy import AdaptivePolicy, FixedPolicy, SpeculationPolicy, StepRecord
 from engines.spec_decode.stats import SpecStats, StepProfile
 from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
 from engines.structured_output import MaskedRows, mask_logits, prune_draft
 from engines.verification import VerifyItem, VerifyResult, verify_batch, verify_greedy
 from kernels.fused_decoder import native_seconds
-from kernels.spec_rounds import SpecRounds
+from kernels.spec_rounds import SpecRounds, phase_seconds
 
 
 @dataclass
@@ -54,6 +60,7 @@ class RequestStepResult:
     accepted_path: list[int] = field(default_factory=list)  # the verified tree's accepted nodes, root first
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # the prompt tokens this chunk scored, when asked
+    num_verifications: int = 1  # target forwards that verified a draft (native rounds: several a step)
 
 
 class SpecDecodeExecutor:
@@ -87,6 +94,9 @@ class SpecDecodeExecutor:
         # Lyanna's width-1 chains as native rounds beside the fused decoder (`_execute_spec_rounds`); None: not
         # built yet, False: they do not apply
         self._rounds: SpecRounds | bool | None = None
+        # this step's decision between native rounds and the policy's own plan (`_choose_rounds`): (requests, the
+        # chain depth, 0 for the plan), for the policy to measure (`SpeculationPolicy.observe_rounds`)
+        self._last_rounds: tuple[int, int] | None = None
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
@@ -96,13 +106,13 @@ class SpecDecodeExecutor:
         if self.drafter is not None:
             for req, num_cached in sched.cache_hits:  # admitted on cached blocks: the drafter's context for them
                 self.drafter.on_cached_prefix(req, num_cached)
-        depth = self._rounds_depth(scheduled)
-        if depth:
-            results = self._execute_spec_rounds(scheduled, depth, began)
+        record = StepRecord(num_tokens=0, target_s=0.0)
+        self._last_rounds = None
+        drafts = self._draft(scheduled, record)
+        if record.rounds_depth:
+            results = self._execute_spec_rounds(scheduled, record.rounds_depth, began, record)
             if results is not None:
                 return results
-        record = StepRecord(num_tokens=0, target_s=0.0)
-        drafts = self._draft(scheduled, record)
         # what the policy compares: steps of decoding requests only that verified the text drafter's trees or none
         drafted = [s.request for s, tree in zip(scheduled, drafts, strict=True) if tree is not None]
         outcome = "plain" if not drafted else "text" if self._text_drafted(drafted[0]) else None
@@ -158,6 +168,9 @@ class SpecDecodeExecutor:
         outcome, num_seqs = self._last_outcome
         if outcome is not None:
             self.policy.observe_outcome(outcome, num_seqs, emitted, total_s)
+        if self._last_rounds is not None:
+            self.policy.observe_rounds(*self._last_rounds, emitted, total_s)
+            self._last_rounds = None
         self.profile.add_step(kind, emitted, phases, total_s)
 
     def on_finished(self, request: Request) -> None:
@@ -226,17 +239,18 @@ class SpecDecodeExecutor:
 
     # ---- several rounds of draft and verification in one call ------------------------------------------
     def takes_spec_rounds(self) -> bool:
-        """Whether steps whose every request drafts a greedy width-1 chain run up to `multi_step` rounds of
-        drafting, verification and acceptance in one native call (`_execute_spec_rounds`): under the fixed
-        policy, with Lyanna drafting natively beside the target's fused decoder."""
+        """Whether steps of greedy decoding requests may run up to `multi_step` rounds of drafting width-1 chains,
+        verifying and accepting them in one native call (`_execute_spec_rounds`): with Lyanna drafting natively
+        beside the target's fused decoder, under the fixed policy (whose trees are such chains) or the adaptive
+        one (which measures the rounds against its own plans: `SpeculationPolicy.choose_rounds`)."""
         return self._spec_rounds() is not None
 
     def _spec_rounds(self) -> SpecRounds | None:
         if self._rounds is None:
-            drafter, model = self.drafter, getattr(self.runner, "model", None)
+            drafter, model = _model_drafter(self.drafter), getattr(self.runner, "model", None)
             applies = (
                 self.multi_step > 1
-                and isinstance(self.policy, FixedPolicy)
+                and isinstance(self.policy, FixedPolicy | AdaptivePolicy)
                 and isinstance(drafter, LyannaDrafter)
                 and drafter.takes_rounds()
                 and model is not None
@@ -251,36 +265,49 @@ class SpecDecodeExecutor:
                 self._rounds = False
         return self._rounds or None
 
+    def _choose_rounds(self, scheduled: list[ScheduledRequest]) -> int:
+        """The chain depth this step runs native rounds at (0: it does not), noted for the policy's measurement:
+        under the fixed policy its chains' depth, under the adaptive one its choice (`choose_rounds`)."""
+        most = self._rounds_depth(scheduled)
+        if not most:
+            return 0
+        fixed = isinstance(self.policy, FixedPolicy)
+        depth = most if fixed else self.policy.choose_rounds(len(scheduled), list(range(1, most + 1)))
+        self._last_rounds = None if fixed else (len(scheduled), depth)
+        return depth
+
     def _rounds_depth(self, scheduled: list[ScheduledRequest]) -> int:
-        """The chain depth of a step that runs as native rounds (`takes_spec_rounds`): every scheduled request
-        (at most `SPEC_ROUNDS_MAX_SEQS`) decodes past its prompt without log-probabilities or a grammar and was
-        granted a width-1 draft; the shallowest of their depths. 0: the step runs otherwise."""
+        """The deepest chain a step may run as native rounds (`takes_spec_rounds`): every scheduled request (at
+        most `SPEC_ROUNDS_MAX_SEQS`) decodes past its prompt without log-probabilities or a grammar and was granted
+        a draft (under the fixed policy: a width-1 chain); the shallowest of their caps and grants, at most
+        `SPEC_ROUNDS_MAX_DEPTH`. 0: the step runs otherwise."""
         if not 0 < len(scheduled) <= SPEC_ROUNDS_MAX_SEQS or self._spec_rounds() is None:
             return 0
-        depth = None
+        fixed = isinstance(self.policy, FixedPolicy)
+        depth = SPEC_ROUNDS_MAX_DEPTH
         for s in scheduled:
             req, spec = s.request, s.request.spec
-            if spec is None or spec.width != 1 or not s.num_draft_tokens or s.num_new_tokens != 1:
+            if spec is None or (fixed and spec.width != 1) or not s.num_draft_tokens or s.num_new_tokens != 1:
                 return 0
             if req.num_computed_tokens + 1 != req.num_tokens or not req.multi_step_ok:
                 return 0
-            d = min(spec.depth, spec.budget, s.num_draft_tokens)
-            depth = d if depth is None else min(depth, d)
-        return depth or 0
+            depth = min(depth, spec.depth, spec.budget, s.num_draft_tokens)
+        return depth
 
     def _execute_spec_rounds(
-        self, scheduled: list[ScheduledRequest], depth: int, began: float
+        self, scheduled: list[ScheduledRequest], depth: int, began: float, record: StepRecord
     ) -> list[RequestStepResult] | None:
         """Up to `multi_step` rounds of `depth`-token chains for every scheduled request in one native call
         (kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead); a
         request's results are every token the rounds committed. None where a request's drafter has no context
         yet: the step then runs as usual."""
-        rounds, drafter, model = self._spec_rounds(), self.drafter, self.runner.model
+        rounds, drafter, model = self._spec_rounds(), _model_drafter(self.drafter), self.runner.model
         assert rounds is not None and isinstance(drafter, LyannaDrafter)
         requests = [s.request for s in scheduled]
         start = time.perf_counter()
         last_out = drafter.rounds_inputs(requests)
         if last_out is None:
+            self._last_rounds = None
             return None
         read_s = time.perf_counter() - start
         rows = [self.kv.block_tables[r.request_id] for r in requests]
@@ -289,12 +316,13 @@ class SpecDecodeExecutor:
             tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
         roots = [r.token_ids(r.num_tokens - 1, r.num_tokens)[0] for r in requests]
         rooms = [1 + s.num_draft_tokens + s.num_lookahead_tokens for s in scheduled]
-        call, native = time.perf_counter(), native_seconds()
+        call, native, inside = time.perf_counter(), native_seconds(), phase_seconds()
         target, head = model.fused_decoder(self.kv, 1), model.greedy_head()
         out = rounds(target, head, roots, [r.num_tokens for r in requests], rooms, tables, last_out, depth,
                      self.multi_step)  # fmt: skip
         forward_s = time.perf_counter() - call
         forward, launch = _native_split(forward_s, native_seconds() - native, call - start - read_s)
+        inside = {k: v - inside[k] for k, v in phase_seconds().items()}  # the call's phases
         results = []
         for b, req in enumerate(requests):
             tokens, accepted = out.tokens[b], out.accepted[b]
@@ -303,12 +331,17 @@ class SpecDecodeExecutor:
                 self.stats.record_chain(depth, a)
             results.append(
                 RequestStepResult(req, len(tokens), tokens, num_draft_tokens=depth * len(accepted),
-                                  num_accepted_tokens=sum(accepted))
+                                  num_accepted_tokens=sum(accepted), num_verifications=len(accepted))
             )  # fmt: skip
         self.num_forwards += max(len(r) for r in out.accepted)
         self._last_outcome = (None, len(scheduled))
-        phases = {"catch_up": read_s, "launch": launch, "forward": forward,
-                  "verify": time.perf_counter() - call - forward_s}  # fmt: skip
+        # the native call split by its own clock: the drafter's trajectory and chains, its catch-up, the target's
+        # forward, LM head and argmax, and acceptance with what the call spent between its phases
+        drafting, catching_up = inside["trajectory"] + inside["chains"], inside["catch_up"]
+        target_s = inside["forward"] + inside["head"]
+        accept = forward - drafting - catching_up - target_s + time.perf_counter() - call - forward_s
+        phases = {"policy": record.policy_s, "draft": record.text_s + drafting, "catch_up": read_s + catching_up,
+                  "launch": launch, "forward": target_s, "verify": accept}  # fmt: skip
         emitted = sum(len(r.token_ids) for r in results)
         self._last_step = ("rounds", emitted, phases, time.perf_counter() - began)
         return results
@@ -336,6 +369,9 @@ class SpecDecodeExecutor:
                 scheduled, granted, other_tokens, context, plain_steps, drafts, record
             ):
                 return drafts
+        record.rounds_depth = self._choose_rounds(scheduled)
+        if record.rounds_depth:  # the step runs as native rounds (`_execute_spec_rounds`)
+            return drafts
         reqs = [scheduled[b].request for b in granted]
         caps = [_cap(scheduled[b]) for b in granted]
         start = time.perf_counter()
@@ -685,6 +721,11 @@ class SpecDecodeExecutor:
                 num_accepted_tokens=result.num_accepted,
                 accepted_path=result.path,
             )
+
+
+def _model_drafter(drafter: Drafter | None) -> Drafter | None:
+    """The model drafter: the drafter itself, or the one beside a text drafter."""
+    return drafter.model if isinstance(drafter, TextFirstDrafter) else drafter
 
 
 def _native_split(forward_s: float, native_s: float, before_s: float) -> tuple[float, float]:

@@ -70,6 +70,7 @@ class StepRecord:
     forward_s: float = 0.0  # the target forward alone (within target_s)
     text_s: float = 0.0  # the text drafter's round and the policy's choice of its drafts
     commit_s: float = 0.0  # the accepted paths' KV commit and the drafter's bookkeeping (within target_s)
+    rounds_depth: int = 0  # the step runs native rounds of chains this deep instead (0: it does not)
 
 
 class SpeculationPolicy(ABC):
@@ -141,6 +142,16 @@ class SpeculationPolicy(ABC):
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:  # noqa: B027
         """A verified tree and its accepted path (node indices, root first)."""
 
+    def choose_rounds(self, num_seqs: int, depths: list[int]) -> int:
+        """For a step of `num_seqs` greedy decoding requests that may run as native rounds of width-1 chains (the
+        executor's spec rounds) and that verifies no text draft: the chain depth among `depths` to run them at, or 0
+        to take the step as the policy plans it otherwise. Never, unless a policy measures them."""
+        return 0
+
+    def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float) -> None:  # noqa: B027
+        """An engine step that `choose_rounds` decided (`depth`, 0: otherwise) emitted `tokens` in `seconds` all
+        told."""
+
     def on_finished(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Drop per-request state."""
 
@@ -211,6 +222,11 @@ class AdaptiveSettings:
     outcome_samples: int = 8
     text_recheck_every: int = 32
     text_lead: float = 1.25
+    # native rounds of width-1 chains (`choose_rounds`): the depths tried, the steps of each option measured at a batch
+    # size before the best is taken, and the steps between two that re-measure another option
+    rounds_depths: tuple[int, ...] = (1, 2, 3)
+    rounds_samples: int = 8
+    rounds_recheck_every: int = 16
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     # standard errors of the shape table's first-level acceptance (over every draft behind it) added in
     # the search, an upper confidence bound: an option that a few unlucky first drafts put just below
@@ -426,6 +442,10 @@ class AdaptivePolicy(SpeculationPolicy):
     # steps which verified nothing; steps not asking the text drafter in a row where the former fell below the latter
     text_outcomes: dict[int, tuple[_Ema, _Ema]] = field(default_factory=dict)
     _text_refused: int = 0
+    # per (batch-size class, option): tokens per second of steps `choose_rounds` decided (option 0: the policy's
+    # own plan, d: rounds of depth-d chains), and how many such decisions were made
+    rounds_outcomes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    _rounds_plans: int = 0
     _plain_probes: int = 0  # steps that might have verified text drafts while they delivered more than plain steps
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
@@ -911,6 +931,30 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def observe_host(self, seconds: float) -> None:
         self.host_s.add(seconds)
+
+    def choose_rounds(self, num_seqs: int, depths: list[int]) -> int:
+        """The option (0, or a depth among `depths` and `rounds_depths`) that has delivered the most tokens a second
+        at this batch size (`rounds_outcomes`), once every option has `rounds_samples` steps there: until then the
+        least measured; and every `rounds_recheck_every` steps the least measured other option, so what changes with
+        the text and the context is followed."""
+        options = [0, *(d for d in depths if d in self.settings.rounds_depths)]
+        if len(options) == 1:
+            return 0
+        size = _batch_class(num_seqs)
+        outcomes = [self.rounds_outcomes.get((size, o)) for o in options]
+        counts = [0 if e is None else e.count for e in outcomes]
+        self._rounds_plans += 1
+        if min(counts) < self.settings.rounds_samples:
+            return options[counts.index(min(counts))]
+        best = max(range(len(options)), key=lambda i: outcomes[i].value)  # type: ignore[union-attr]
+        if self._rounds_plans % self.settings.rounds_recheck_every == 0:
+            others = [i for i in range(len(options)) if i != best]
+            return options[min(others, key=lambda i: counts[i])]
+        return options[best]
+
+    def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            self.rounds_outcomes.setdefault((_batch_class(num_seqs), depth), _Ema(weight=0.1)).add(tokens / seconds)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)

@@ -16,6 +16,7 @@
  * draft may then differ where two tokens nearly tie): greedy answers are the target's, whatever the drafts. A sequence stops drafting when its
  * next round would write past the `rooms[b]` positions it was granted from T - 1 on. */
 #include <stdlib.h>
+#include <time.h>
 
 #include "integer_dot.h"
 #include "decoder.h"
@@ -31,6 +32,29 @@ typedef struct {
     float eps;
     int64_t scratch_first, scratch_per_seq; /* sequence b's scratch blocks: scratch_first + b * scratch_per_seq .. */
 } Rounds;
+
+/* Seconds spent in each phase of the rounds since start: the trajectory, the chains, the target's forward, its LM
+ * head and argmax, acceptance, the drafter's catch-up (spec_rounds_profile). */
+enum { ROUND_TRAJECTORY, ROUND_CHAINS, ROUND_FORWARD, ROUND_HEAD, ROUND_ACCEPT, ROUND_CATCH_UP, ROUND_PHASES };
+static double round_seconds[ROUND_PHASES];
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Adds `round_seconds` to out [ROUND_PHASES]; returns how many phases there are. */
+int spec_rounds_profile(double *out) {
+    for (int i = 0; i < ROUND_PHASES; i++) out[i] += round_seconds[i];
+    return ROUND_PHASES;
+}
+
+static inline void lap(int phase, double *mark) {
+    const double t = now_seconds();
+    round_seconds[phase] += t - *mark;
+    *mark = t;
+}
 
 /* The buffers of a call. */
 typedef struct {
@@ -113,6 +137,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
         f.roots[b] = roots[b], f.lengths[b] = lengths[b], committed[b] = 0;
         for (int64_t k = 0; k < rounds; k++) accepted[b * rounds + k] = -1;
     }
+    double mark = now_seconds();
     for (int64_t round = 0; round < rounds; round++) {
         int64_t A = 0;
         for (int64_t b = 0; b < seqs; b++)
@@ -149,6 +174,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
             }
             for (int64_t i = 0; i < A; i++) draft_norm_rows(r, f.x + i * H, H, f.xb, f.traj + (i * depth + level) * H);
         }
+        lap(ROUND_TRAJECTORY, &mark);
         /* the chains */
         for (int64_t i = 0; i < A; i++) f.steps[i] = depth, f.next[i] = f.roots[f.active[i]];
         int c = draft_chains(r->chain, f.traj, A, f.steps, f.next, f.chain_logits, f.drafts, f.scores, threads);
@@ -156,6 +182,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
             code = c < 0 ? c : 300;
             goto done;
         }
+        lap(ROUND_CHAINS, &mark);
         /* verification: [root, d_1 .. d_depth] a chain per sequence */
         const int64_t R = A * (depth + 1);
         for (int64_t i = 0; i < A; i++) {
@@ -193,11 +220,13 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
             code = c < 0 ? c : 100 + c;
             goto done;
         }
+        lap(ROUND_FORWARD, &mark);
         for (int64_t i = 0; i < R * H; i++) f.xb[i] = float_to_bf16(f.x[i]);
         quantize_activations(f.xb, R, H, f.xq, f.dx, f.sx);
         vnni_gemm(r->head->codes, r->head->scales, r->head->mins, (int)r->head->bits, V, H, f.xq, f.dx, f.sx, R,
                   f.logits, threads);
         row_argmax(f.logits, R, V, f.argmax, threads);
+        lap(ROUND_HEAD, &mark);
         /* acceptance, and the committed rows for the drafter's catch-up */
         int64_t C = 0;
         for (int64_t i = 0; i < A; i++) {
@@ -220,6 +249,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
             f.lengths[b] = T + a + 1, f.roots[b] = f.argmax[row0 + a];
         }
         f.query_start[A] = (int32_t)C;
+        lap(ROUND_ACCEPT, &mark);
         /* the drafter catches up over the committed positions */
         c = draft_fuse_rows(r->fuse, f.rows, f.next, C, f.x, threads);
         if (c) {
@@ -237,6 +267,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
             const int64_t last = f.query_start[i + 1] - 1;
             draft_norm_rows(r, f.x + last * H, H, f.xb, last_out + f.active[i] * H);
         }
+        lap(ROUND_CATCH_UP, &mark);
     }
 done:
     free_buffers(&f);

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from engines.bench.cli import served_settings
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
+from engines.spec_decode.policy import AdaptivePolicy, AdaptiveSettings
 from kernels import integer_dot
 from tests.conftest import CHAT_PROMPTS
 
@@ -72,11 +74,45 @@ def test_rounds_stop_at_max_tokens(plain, rounds, max_tokens):
     assert got.finish_reason == want.finish_reason
 
 
-def test_batches_take_the_step_by_step_path(plain, rounds):
+def test_batches_run_rounds_together(plain, rounds):
     params = SamplingParams(temperature=0, max_tokens=24)
-    before = rounds.executor.profile.breakdown().get("rounds", {}).get("steps", 0)
+    before = rounds.executor.profile.breakdown().get("rounds", {}).get("tokens_per_step", 0.0)
     got = [c.token_ids for c in rounds.generate(CHAT_PROMPTS, params)]
     assert got == [c.token_ids for c in plain.generate(CHAT_PROMPTS, params)]
-    # three requests at once: verified as trees, step by step (prompts read apart, so a lone one may round)
-    assert rounds.executor.profile.breakdown()["tree"]["steps"] > 0
-    assert rounds.executor.profile.breakdown().get("rounds", {}).get("steps", 0) - before < 24
+    # three requests decode together: a call commits several rounds of every one of them
+    assert rounds.executor.profile.breakdown()["rounds"]["tokens_per_step"] > before
+
+
+def test_the_served_default_chooses_between_rounds_and_its_plans(plain):
+    """The adaptive policy (the served default's) measures the rounds at each depth against its own plans and takes
+    what delivers the most; every answer stays plain decoding's."""
+    served = LLMEngine(EngineConfig(**served_settings() | {"num_kv_blocks": 256}))
+    assert served.executor.takes_spec_rounds() and isinstance(served.executor.policy, AdaptivePolicy)
+    params = SamplingParams(temperature=0, max_tokens=64)
+    prompts = CHAT_PROMPTS * 2
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    got = [served.generate([p], params)[0].token_ids for p in prompts]
+    assert got == want
+    outcomes = served.executor.policy.rounds_outcomes
+    assert {depth for (size, depth) in outcomes if size == 0} >= {0, 1}
+    assert served.executor.profile.breakdown()["rounds"]["steps"] > 0
+
+
+def test_choose_rounds_measures_every_option_then_takes_the_best():
+    settings = AdaptiveSettings(rounds_depths=(1, 2), rounds_samples=2, rounds_recheck_every=4)
+    policy = AdaptivePolicy(settings)
+    rates = {0: 100.0, 1: 300.0, 2: 200.0}
+    tried = []
+    for _ in range(6):  # every option twice, least measured first
+        depth = policy.choose_rounds(1, [1, 2, 3])
+        tried.append(depth)
+        policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
+    assert sorted(tried) == [0, 0, 1, 1, 2, 2]
+    chosen = []
+    for _ in range(8):
+        depth = policy.choose_rounds(1, [1, 2, 3])
+        chosen.append(depth)
+        policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
+    assert chosen.count(1) == 6 and set(chosen) <= {0, 1, 2}  # the best, but for one re-measure in four
+    assert policy.choose_rounds(1, []) == 0  # no depth allowed: the plan
+    assert policy.choose_rounds(9, [1]) in (0, 1)  # another batch size is measured apart
