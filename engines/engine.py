@@ -195,7 +195,7 @@ class LLMEngine:
             config.logprobs_mode,
             multi_step,
         )
-        self.scheduler.spec_rounds = self.executor.takes_spec_rounds()
+        self.scheduler.spec_rounds_max_seqs = self.executor.spec_rounds_max_seqs()
         if self.executor.drafter is not None:  # a drafter keeping K/V in the blocks needs their next token hashed
             self.kv_cache.lookahead = self.executor.drafter.cache_lookahead
         if self.executor.drafter is not None and isinstance(policy, AdaptivePolicy) and config.adaptive.profile:

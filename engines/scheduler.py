@@ -101,8 +101,9 @@ class Scheduler:
     ):
         self.kv = kv_cache
         self.multi_step = multi_step
-        # the executor runs several rounds of width-1 drafts a call (SpecDecodeExecutor.takes_spec_rounds)
-        self.spec_rounds = False
+        # the most sequences a step of the executor's native rounds takes (SpecDecodeExecutor.spec_rounds_max_seqs;
+        # 0: it runs none), whose requests are granted further rounds
+        self.spec_rounds_max_seqs = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
@@ -235,7 +236,8 @@ class Scheduler:
     def _grant_lookaheads(self, out: SchedulerOutput, budget: int) -> None:
         """In a step of decodes only (no prompt read, nothing preempted, at most `MULTI_STEP_MAX_SEQS`), grant
         each request that does not speculate but may take several decode steps a call the tokens and blocks
-        of up to `multi_step` - 1 more (with `spec_rounds`, a request granted a draft those of up to
+        of up to `multi_step` - 1 more (in a step the executor may run as native rounds, `spec_rounds_max_seqs`, a
+        request granted a draft those of up to
         `multi_step` - 1 more rounds of a draft as large), within its `max_tokens`, the `budget` of tokens left
         and the free KV blocks."""
         if self.multi_step < 2 or not 0 < len(out.scheduled) <= MULTI_STEP_MAX_SEQS or out.preempted:
@@ -247,7 +249,7 @@ class Scheduler:
             req, drafts = s.request, s.num_draft_tokens
             if req.spec is None and not drafts:
                 want = self.multi_step - 1
-            elif self.spec_rounds and drafts and len(out.scheduled) <= SPEC_ROUNDS_MAX_SEQS:  # (executor's spec rounds)
+            elif drafts and len(out.scheduled) <= self.spec_rounds_max_seqs:  # the executor's native rounds
                 want = (self.multi_step - 1) * (min(drafts, SPEC_ROUNDS_MAX_DEPTH) + 1)
             else:
                 continue

@@ -245,6 +245,15 @@ class SpecDecodeExecutor:
         one (which measures the rounds against its own plans: `SpeculationPolicy.choose_rounds`)."""
         return self._spec_rounds() is not None
 
+    def spec_rounds_max_seqs(self) -> int:
+        """The most sequences a step of native rounds takes (0: none runs): `SPEC_ROUNDS_MAX_SEQS` under the fixed
+        policy, the adaptive policy's `rounds_max_seqs`."""
+        if self._spec_rounds() is None:
+            return 0
+        policy = self.policy
+        most = policy.settings.rounds_max_seqs if isinstance(policy, AdaptivePolicy) else SPEC_ROUNDS_MAX_SEQS
+        return min(most, SPEC_ROUNDS_MAX_SEQS)
+
     def _spec_rounds(self) -> SpecRounds | None:
         if self._rounds is None:
             drafter, model = _model_drafter(self.drafter), getattr(self.runner, "model", None)
@@ -278,10 +287,10 @@ class SpecDecodeExecutor:
 
     def _rounds_depth(self, scheduled: list[ScheduledRequest]) -> int:
         """The deepest chain a step may run as native rounds (`takes_spec_rounds`): every scheduled request (at
-        most `SPEC_ROUNDS_MAX_SEQS`) decodes past its prompt without log-probabilities or a grammar and was granted
+        most `spec_rounds_max_seqs`) decodes past its prompt without log-probabilities or a grammar and was granted
         a draft (under the fixed policy: a width-1 chain); the shallowest of their caps and grants, at most
         `SPEC_ROUNDS_MAX_DEPTH`. 0: the step runs otherwise."""
-        if not 0 < len(scheduled) <= SPEC_ROUNDS_MAX_SEQS or self._spec_rounds() is None:
+        if not 0 < len(scheduled) <= self.spec_rounds_max_seqs():
             return 0
         fixed = isinstance(self.policy, FixedPolicy)
         depth = SPEC_ROUNDS_MAX_DEPTH

@@ -222,8 +222,11 @@ class AdaptiveSettings:
     outcome_samples: int = 8
     text_recheck_every: int = 32
     text_lead: float = 1.25
-    # native rounds of width-1 chains (`choose_rounds`): the depths tried, the steps of each option measured at a batch
-    # size before the best is taken, and the steps between two that re-measure another option
+    # native rounds of width-1 chains (`choose_rounds`): the most requests a step of them takes (on the 2-core Zen 4
+    # they pay at batch 1 and 2; at 4 and 8 a round's verification costs what its tokens save, and trying them cost
+    # 7% there), the depths tried, the steps of each option measured at a batch size before the best is taken, and
+    # the steps between two that re-measure another option
+    rounds_max_seqs: int = 2
     rounds_depths: tuple[int, ...] = (1, 2, 3)
     rounds_samples: int = 8
     rounds_recheck_every: int = 16

@@ -30,7 +30,7 @@ def plain() -> LLMEngine:
 @pytest.fixture(scope="module")
 def rounds() -> LLMEngine:
     engine = lyanna_chains(2)
-    assert engine.executor.takes_spec_rounds() and engine.scheduler.spec_rounds
+    assert engine.executor.takes_spec_rounds() and engine.scheduler.spec_rounds_max_seqs == 8
     return engine
 
 
@@ -88,6 +88,7 @@ def test_the_served_default_chooses_between_rounds_and_its_plans(plain):
     what delivers the most; every answer stays plain decoding's."""
     served = LLMEngine(EngineConfig(**served_settings() | {"num_kv_blocks": 256}))
     assert served.executor.takes_spec_rounds() and isinstance(served.executor.policy, AdaptivePolicy)
+    assert served.scheduler.spec_rounds_max_seqs == 2
     params = SamplingParams(temperature=0, max_tokens=64)
     prompts = CHAT_PROMPTS * 2
     want = [c.token_ids for c in plain.generate(prompts, params)]
