@@ -196,6 +196,7 @@ class LLMEngine:
             multi_step,
         )
         self.scheduler.spec_rounds_max_seqs = self.executor.spec_rounds_max_seqs()
+        self.scheduler.rounds_request_ok = self.executor.rounds_request_ok
         if self.executor.drafter is not None:  # a drafter keeping K/V in the blocks needs their next token hashed
             self.kv_cache.lookahead = self.executor.drafter.cache_lookahead
         if self.executor.drafter is not None and isinstance(policy, AdaptivePolicy) and config.adaptive.profile:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engines.kv_cache import PagedKVCache
@@ -43,7 +44,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     num_draft_tokens: int = 0  # draft tokens granted (the root, its new token, is not counted)
-    num_lookahead_tokens: int = 0  # a request that does not speculate: tokens of further decode steps granted
+    num_lookahead_tokens: int = 0  # tokens of further decode steps granted (or of further rounds: spec rounds)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Scheduler:
         # the most sequences a step of the executor's native rounds takes (SpecDecodeExecutor.spec_rounds_max_seqs;
         # 0: it runs none), whose requests are granted further rounds
         self.spec_rounds_max_seqs = 0
+        self.rounds_request_ok: Callable[[Request], bool] = lambda req: False  # SpecDecodeExecutor.rounds_request_ok
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
@@ -249,7 +251,7 @@ class Scheduler:
             req, drafts = s.request, s.num_draft_tokens
             if req.spec is None and not drafts:
                 want = self.multi_step - 1
-            elif drafts and len(out.scheduled) <= self.spec_rounds_max_seqs:  # the executor's native rounds
+            elif drafts and len(out.scheduled) <= self.spec_rounds_max_seqs and self.rounds_request_ok(req):
                 want = (self.multi_step - 1) * (min(drafts, SPEC_ROUNDS_MAX_DEPTH) + 1)
             else:
                 continue

@@ -124,7 +124,8 @@ def _library() -> ctypes.CDLL | None:
     lib.draft_chains.restype = i32
     lib.draft_fuse_rows.argtypes = [p, p, p, i64, p, i32]
     lib.draft_fuse_rows.restype = i32
-    lib.spec_rounds.argtypes = [p, i64, p, p, p, p, i64, i64, p, i64, i64, i32, p, p, p, p]  # kernels/spec_rounds.py
+    # kernels/spec_rounds.py
+    lib.spec_rounds.argtypes = [p, i64, p, p, p, p, i64, i64, p, i64, i64, p, i64, i32, p, p, p, p]
     lib.spec_rounds.restype = i32
     lib.spec_rounds_profile.argtypes = [p]
     lib.spec_rounds_profile.restype = i32

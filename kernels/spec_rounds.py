@@ -75,13 +75,14 @@ class SpecRounds:
         self.eps = eps
 
     def __call__(self, target: FusedDecoder, head: GreedyHead, roots: list[int], lengths: list[int],
-                 rooms: list[int], tables: torch.Tensor, last_out: torch.Tensor, depth: int,
-                 rounds: int) -> RoundsResult:  # fmt: skip
+                 rooms: list[int], tables: torch.Tensor, last_out: torch.Tensor, depth: int, rounds: int,
+                 stops: list[int] | tuple[int, ...] = ()) -> RoundsResult:  # fmt: skip
         """Up to `rounds` rounds of `depth`-token chains, verified by `target` (a fused decoder with its final norm)
         and its LM head `head`, for each sequence: its root (last token, not yet computed) at position lengths[b] - 1,
         `rooms[b]` positions from there granted in its block-table row (`tables` [seqs, blocks] int32), and the
         drafter's normed output at position lengths[b] - 2 in `last_out` [seqs, hidden] bf16, which is updated to
-        the last committed position's. A sequence runs the rounds that fit in its room."""
+        the last committed position's. A sequence runs the rounds that fit in its room, and none after it commits one
+        of the tokens `stops`."""
         if not target.final_norm:
             raise ValueError("speculative rounds need the fused decoder built with the final norm")
         B, H = len(roots), head.head.in_features
@@ -102,7 +103,7 @@ class SpecRounds:
             first_scratch, self.draft.scratch_per_seq,
         )  # fmt: skip
         span = rounds * (depth + 1)
-        meta = torch.tensor([*roots, *lengths, *rooms], dtype=torch.int64)
+        meta = torch.tensor([*roots, *lengths, *rooms, *stops], dtype=torch.int64)
         tokens = torch.empty(B, span, dtype=torch.int64)
         hidden = torch.empty(B, span, H, dtype=torch.bfloat16)
         counts = torch.empty(B * rounds + B, dtype=torch.int64)  # accepted [B, rounds], then committed [B]
@@ -110,7 +111,8 @@ class SpecRounds:
         code = integer_dot.library().spec_rounds(
             ctypes.byref(struct), B, meta.data_ptr(), meta.data_ptr() + 8 * B, meta.data_ptr() + 16 * B,
             tables.data_ptr(), tables.stride(0), tables.shape[1], last_out.data_ptr(), depth, rounds,
-            torch.get_num_threads(), tokens.data_ptr(), hidden.data_ptr(), counts.data_ptr(),
+            meta.data_ptr() + 24 * B, len(stops), torch.get_num_threads(), tokens.data_ptr(), hidden.data_ptr(),
+            counts.data_ptr(),
             counts.data_ptr() + 8 * B * rounds,
         )  # fmt: skip
         _native_seconds[0] += time.perf_counter() - start

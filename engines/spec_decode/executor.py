@@ -15,6 +15,7 @@ Plain decoding is this executor with no drafter.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -46,6 +47,8 @@ from engines.structured_output import MaskedRows, mask_logits, prune_draft
 from engines.verification import VerifyItem, VerifyResult, verify_batch, verify_greedy
 from kernels.fused_decoder import native_seconds
 from kernels.spec_rounds import SpecRounds, phase_seconds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -276,40 +279,52 @@ class SpecDecodeExecutor:
 
     def _choose_rounds(self, scheduled: list[ScheduledRequest]) -> int:
         """The chain depth this step runs native rounds at (0: it does not), noted for the policy's measurement:
-        under the fixed policy its chains' depth, under the adaptive one its choice (`choose_rounds`)."""
+        under the fixed policy (or for fixed trees) their depth, under the adaptive one its choice (`choose_rounds`)."""
         most = self._rounds_depth(scheduled)
         if not most:
             return 0
-        fixed = isinstance(self.policy, FixedPolicy)
+        fixed = isinstance(self.policy, FixedPolicy) or any(s.request.spec.fixed for s in scheduled)  # type: ignore[union-attr]
         depth = most if fixed else self.policy.choose_rounds(len(scheduled), list(range(1, most + 1)))
         self._last_rounds = None if fixed else (len(scheduled), depth)
         return depth
 
+    def rounds_request_ok(self, req: Request) -> bool:
+        """Whether a decoding request's next steps may run as native rounds (`takes_spec_rounds`): greedy, without
+        log-probabilities or a grammar, speculating within the rounds' chains (under the fixed policy, or for a
+        request with a fixed tree: width 1, at most `SPEC_ROUNDS_MAX_DEPTH` deep)."""
+        spec = req.spec
+        if spec is None or not req.multi_step_ok or self._spec_rounds() is None:
+            return False
+        if isinstance(self.policy, FixedPolicy) or spec.fixed:
+            return spec.width == 1 and spec.depth <= SPEC_ROUNDS_MAX_DEPTH
+        return True
+
     def _rounds_depth(self, scheduled: list[ScheduledRequest]) -> int:
-        """The deepest chain a step may run as native rounds (`takes_spec_rounds`): every scheduled request (at
-        most `spec_rounds_max_seqs`) decodes past its prompt without log-probabilities or a grammar and was granted
-        a draft (under the fixed policy: a width-1 chain); the shallowest of their caps and grants, at most
+        """The deepest chain a step may run as native rounds: every scheduled request (at most
+        `spec_rounds_max_seqs`) decodes its last token, may run rounds (`rounds_request_ok`) and was granted a draft;
+        the shallowest of their limits (`Request.draft_limit`: `max_tokens` cuts them) and grants, at most
         `SPEC_ROUNDS_MAX_DEPTH`. 0: the step runs otherwise."""
         if not 0 < len(scheduled) <= self.spec_rounds_max_seqs():
             return 0
-        fixed = isinstance(self.policy, FixedPolicy)
         depth = SPEC_ROUNDS_MAX_DEPTH
         for s in scheduled:
-            req, spec = s.request, s.request.spec
-            if spec is None or (fixed and spec.width != 1) or not s.num_draft_tokens or s.num_new_tokens != 1:
+            req = s.request
+            if not s.num_draft_tokens or s.num_new_tokens != 1 or req.num_computed_tokens + 1 != req.num_tokens:
                 return 0
-            if req.num_computed_tokens + 1 != req.num_tokens or not req.multi_step_ok:
+            limit = req.draft_limit()
+            if limit is None or not self.rounds_request_ok(req):
                 return 0
-            depth = min(depth, spec.depth, spec.budget, s.num_draft_tokens)
+            depth = min(depth, limit.depth, limit.budget, s.num_draft_tokens)
         return depth
 
     def _execute_spec_rounds(
         self, scheduled: list[ScheduledRequest], depth: int, began: float, record: StepRecord
     ) -> list[RequestStepResult] | None:
         """Up to `multi_step` rounds of `depth`-token chains for every scheduled request in one native call
-        (kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead); a
-        request's results are every token the rounds committed. None where a request's drafter has no context
-        yet: the step then runs as usual."""
+        (kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead) and its
+        `max_tokens`, and none after a stop token; a request's results are every token the rounds committed. None
+        where a request's drafter has no context yet or the call fails (logged): the step then decodes without
+        drafts."""
         rounds, drafter, model = self._spec_rounds(), _model_drafter(self.drafter), self.runner.model
         assert rounds is not None and isinstance(drafter, LyannaDrafter)
         requests = [s.request for s in scheduled]
@@ -320,15 +335,22 @@ class SpecDecodeExecutor:
             return None
         read_s = time.perf_counter() - start
         rows = [self.kv.block_tables[r.request_id] for r in requests]
-        tables = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+        tables = torch.full((len(rows), max(map(len, rows))), -1, dtype=torch.int32)  # a slot past them is refused
         for b, row in enumerate(rows):
             tables[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
         roots = [r.token_ids(r.num_tokens - 1, r.num_tokens)[0] for r in requests]
-        rooms = [1 + s.num_draft_tokens + s.num_lookahead_tokens for s in scheduled]
+        left = [r.max_tokens - len(r.output_token_ids) for r in requests]
+        rooms = [min(1 + s.num_draft_tokens + s.num_lookahead_tokens, n) for s, n in zip(scheduled, left, strict=True)]
+        stops = sorted(set().union(*(r.stop_token_ids for r in requests)))
         call, native, inside = time.perf_counter(), native_seconds(), phase_seconds()
         target, head = model.fused_decoder(self.kv, 1), model.greedy_head()
-        out = rounds(target, head, roots, [r.num_tokens for r in requests], rooms, tables, last_out, depth,
-                     self.multi_step)  # fmt: skip
+        try:
+            out = rounds(target, head, roots, [r.num_tokens for r in requests], rooms, tables, last_out, depth,
+                         self.multi_step, stops)  # fmt: skip
+        except (RuntimeError, MemoryError) as e:  # nothing is committed: the step decodes without drafts
+            log.warning("native speculative rounds failed (%s); the step decodes without drafts", e)
+            self._last_rounds = None
+            return None
         forward_s = time.perf_counter() - call
         forward, launch = _native_split(forward_s, native_seconds() - native, call - start - read_s)
         inside = {k: v - inside[k] for k, v in phase_seconds().items()}  # the call's phases
@@ -336,11 +358,20 @@ class SpecDecodeExecutor:
         for b, req in enumerate(requests):
             tokens, accepted = out.tokens[b], out.accepted[b]
             drafter.on_rounds(req, out.hidden[b, : len(tokens)].clone(), last_out[b : b + 1].clone())
+            # what the request keeps: its tokens through a stop token and within max_tokens, and the rounds they came
+            # from (the counters and the policy count those)
+            keep = min(left[b], next((i + 1 for i, tok in enumerate(tokens) if tok in req.stop_token_ids), len(tokens)))
+            kept, done = [], 0
             for a in accepted:
+                if done >= keep:
+                    break
+                kept.append(a)
+                done += a + 1
+            for a in kept:
                 self.stats.record_chain(depth, a)
             results.append(
-                RequestStepResult(req, len(tokens), tokens, num_draft_tokens=depth * len(accepted),
-                                  num_accepted_tokens=sum(accepted), num_verifications=len(accepted))
+                RequestStepResult(req, len(tokens), tokens[:keep], num_draft_tokens=depth * len(kept),
+                                  num_accepted_tokens=sum(kept), num_verifications=len(kept))
             )  # fmt: skip
         self.num_forwards += max(len(r) for r in out.accepted)
         self._last_outcome = (None, len(scheduled))

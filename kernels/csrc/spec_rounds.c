@@ -13,7 +13,8 @@
  * Every sequence of the call runs each phase in one batch, and each row is computed as the engine's step-by-step
  * path computes it (LyannaDrafter's catch-up and trajectories through the fused layer, DraftChains, the fused
  * decoder's argmax rows), but for the drafter's output norm, whose sum runs in another order than PyTorch's (a
- * draft may then differ where two tokens nearly tie): greedy answers are the target's, whatever the drafts. A sequence stops drafting when its
+ * draft may then differ where two tokens nearly tie), and for Algorithm 2's re-sampled trees, which chains of width 1
+ * do not merge here: greedy answers are the target's, whatever the drafts. A sequence stops drafting when its
  * next round would write past the `rooms[b]` positions it was granted from T - 1 on. */
 #include <stdlib.h>
 #include <time.h>
@@ -91,7 +92,7 @@ static int alloc_buffers(Buffers *f, int64_t seqs, int64_t depth, int64_t H, int
     f->slots = malloc(sizeof(int64_t) * rows);
     f->argmax = malloc(sizeof(int64_t) * rows);
     f->drafts = malloc(sizeof(int64_t) * chains);
-    f->steps = malloc(sizeof(int64_t) * seqs);
+    f->steps = malloc(sizeof(int64_t) * 2 * seqs);
     f->roots = malloc(sizeof(int64_t) * seqs);
     f->next = malloc(sizeof(int64_t) * rows);
     f->lengths = malloc(sizeof(int64_t) * seqs);
@@ -116,15 +117,16 @@ static inline int64_t slot_of(const int32_t *table, int64_t p, int64_t bs) { ret
 
 /* `rounds` rounds of `depth`-token chains for `seqs` sequences: roots[b] at position lengths[b] - 1, the drafter's
  * output at lengths[b] - 2 in last_out [seqs, hidden] bf16 (updated to the last committed position's), block tables
- * [seqs, table_width] (rows table_stride apart). Writes each sequence's committed tokens [seqs, rounds * (depth + 1)]
- * in order, the target's normed rows of their positions (bf16, [seqs, rounds * (depth + 1), hidden]), the drafts
- * each round accepted [seqs, rounds] (-1: the round did not run) and the tokens committed [seqs]. Returns 0, -1
- * without memory, or 100 + a code of decoder_forward for the target's forward (200 +: the drafter's; 300: a token
- * outside the embeddings, 301: a scratch table too narrow). */
+ * [seqs, table_width] (rows table_stride apart). A sequence runs no round past `rooms[b]` positions from its root nor
+ * after it commits one of the `num_stops` tokens `stops`. Writes each sequence's committed tokens [seqs, rounds *
+ * (depth + 1)] in order, the target's normed rows of their positions (bf16, [seqs, rounds * (depth + 1), hidden]),
+ * the drafts each round accepted [seqs, rounds] (-1: the round did not run) and the tokens committed [seqs]. Returns
+ * 0, -1 without memory, or 100 + a code of decoder_forward for the target's forward (200 +: the drafter's layer),
+ * 300 where the chains or the fusion fail (a token outside the embeddings), 301 for scratch blocks too few. */
 int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64_t *lengths, const int64_t *rooms,
                 const int32_t *tables, int64_t table_stride, int64_t table_width, uint16_t *last_out, int64_t depth,
-                int64_t rounds, int threads, int64_t *tokens, uint16_t *hidden, int64_t *accepted,
-                int64_t *committed) {
+                int64_t rounds, const int64_t *stops, int64_t num_stops, int threads, int64_t *tokens, uint16_t *hidden,
+                int64_t *accepted, int64_t *committed) {
     const Decoder *t = r->target, *d = r->draft;
     const int64_t H = t->hidden, V = r->head->vocab, DV = r->chain->vocab, bs = t->block_size;
     const int64_t span = rounds * (depth + 1), traj_width = table_width + r->scratch_per_seq;
@@ -133,15 +135,16 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
     int code = -1;
     if (!alloc_buffers(&f, seqs, depth, H, V, DV, traj_width)) goto done;
     code = 0;
+    int64_t *stopped = f.steps + seqs; /* [seqs] 1: the sequence committed a stop token (alloc_buffers: 2 seqs) */
     for (int64_t b = 0; b < seqs; b++) {
-        f.roots[b] = roots[b], f.lengths[b] = lengths[b], committed[b] = 0;
+        f.roots[b] = roots[b], f.lengths[b] = lengths[b], committed[b] = 0, stopped[b] = 0;
         for (int64_t k = 0; k < rounds; k++) accepted[b * rounds + k] = -1;
     }
     double mark = now_seconds();
     for (int64_t round = 0; round < rounds; round++) {
         int64_t A = 0;
         for (int64_t b = 0; b < seqs; b++)
-            if (committed[b] + depth + 1 <= rooms[b]) f.active[A++] = b;
+            if (!stopped[b] && committed[b] + depth + 1 <= rooms[b]) f.active[A++] = b;
         if (A == 0) break;
         /* the trajectory: h_1 = last_out, then depth - 1 steps of the drafter's layer */
         for (int64_t i = 0; i < A; i++) memcpy(f.traj + i * depth * H, last_out + f.active[i] * H, sizeof(uint16_t) * H);
@@ -242,6 +245,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
                 memcpy(hidden + (b * span + at) * H, f.xb + (row0 + j) * H, sizeof(uint16_t) * H);
                 memcpy(f.rows + (C + j) * H, f.xb + (row0 + j) * H, sizeof(uint16_t) * H);
                 f.next[C + j] = token;
+                for (int64_t s = 0; s < num_stops; s++) stopped[b] |= token == stops[s];
                 f.positions[C + j] = T - 1 + j, f.slots[C + j] = slot_of(tables + b * table_stride, T - 1 + j, bs);
                 f.parents[C + j] = (int32_t)(j - 1);
             }

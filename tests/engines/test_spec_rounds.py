@@ -46,7 +46,8 @@ def test_rounds_answer_as_plain_decoding(plain, rounds):
     # a call commits the tokens of several rounds
     assert steps["rounds"]["tokens_per_step"] > 2.0
     stats = rounds.executor.stats
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens == 2 * stats.num_steps
+    # 2 drafts a round, but where max_tokens cuts the chain (Request.draft_limit)
+    assert stats.num_accepted_tokens > 0 and 1.5 * stats.num_steps < stats.num_draft_tokens <= 2 * stats.num_steps
 
 
 def test_rounds_accept_as_the_step_by_step_path_accepts(rounds):
@@ -72,6 +73,30 @@ def test_rounds_stop_at_max_tokens(plain, rounds, max_tokens):
     got = rounds.generate(CHAT_PROMPTS[:1], params)[0]
     assert got.token_ids == want.token_ids and len(got.token_ids) == max_tokens
     assert got.finish_reason == want.finish_reason
+
+
+def test_rounds_stop_at_a_stop_token(plain, rounds):
+    """A stop token in the middle of a call's rounds ends the request there, and the rounds after it are not counted."""
+    free = plain.generate(CHAT_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
+    stop = free[17]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    want = plain.generate(CHAT_PROMPTS[:1], params)[0]
+    stats = rounds.executor.stats
+    before = (stats.num_steps, stats.num_accepted_tokens)
+    got = rounds.generate(CHAT_PROMPTS[:1], params)[0]
+    assert got.token_ids == want.token_ids and got.token_ids[-1] == stop and got.finish_reason == want.finish_reason
+    verified = stats.num_steps - before[0]  # rounds counted: each emits its accepted drafts and a bonus token
+    assert verified + stats.num_accepted_tokens - before[1] < len(got.token_ids) + 2  # (the last round cut short)
+
+
+def test_fixed_trees_of_another_shape_take_no_rounds():
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, drafter="lyanna", spec_policy="fixed", spec_depth=2,
+                                    spec_width=2, spec_budget=4))  # fmt: skip
+    req = engine.add_request(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    assert not engine.executor.rounds_request_ok(req)
+    while engine.has_unfinished():
+        engine.step()
+    assert "rounds" not in engine.executor.profile.breakdown()
 
 
 def test_batches_run_rounds_together(plain, rounds):
