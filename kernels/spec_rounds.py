@@ -104,24 +104,24 @@ class SpecRounds:
         )  # fmt: skip
         span = rounds * (depth + 1)
         meta = torch.tensor([*roots, *lengths, *rooms, *stops], dtype=torch.int64)
-        tokens = torch.empty(B, span, dtype=torch.int64)
+        # one buffer, one copy to Python: tokens [B, span], accepted [B, rounds] (-1: not run), committed [B]
+        ints = torch.empty(B * (span + rounds + 1), dtype=torch.int64)
         hidden = torch.empty(B, span, H, dtype=torch.bfloat16)
-        counts = torch.empty(B * rounds + B, dtype=torch.int64)  # accepted [B, rounds], then committed [B]
+        at = ints.data_ptr()
         start = time.perf_counter()
         code = integer_dot.library().spec_rounds(
             ctypes.byref(struct), B, meta.data_ptr(), meta.data_ptr() + 8 * B, meta.data_ptr() + 16 * B,
             tables.data_ptr(), tables.stride(0), tables.shape[1], last_out.data_ptr(), depth, rounds,
-            meta.data_ptr() + 24 * B, len(stops), torch.get_num_threads(), tokens.data_ptr(), hidden.data_ptr(),
-            counts.data_ptr(),
-            counts.data_ptr() + 8 * B * rounds,
+            meta.data_ptr() + 24 * B, len(stops), torch.get_num_threads(), at, hidden.data_ptr(),
+            at + 8 * B * span, at + 8 * B * (span + rounds),
         )  # fmt: skip
         _native_seconds[0] += time.perf_counter() - start
         if code == -1:
             raise MemoryError("spec_rounds: out of memory")
         if code:
             raise RuntimeError(f"spec_rounds failed with code {code} (a block table or token out of range)")
-        host = counts.tolist()
-        committed = host[B * rounds :]
-        rows = tokens.tolist()
-        accepted = [[a for a in host[b * rounds : (b + 1) * rounds] if a >= 0] for b in range(B)]
-        return RoundsResult([rows[b][: committed[b]] for b in range(B)], accepted, hidden)
+        host = ints.tolist()
+        counts, committed = host[B * span : B * (span + rounds)], host[B * (span + rounds) :]
+        accepted = [[a for a in counts[b * rounds : (b + 1) * rounds] if a >= 0] for b in range(B)]
+        tokens = [host[b * span : b * span + committed[b]] for b in range(B)]
+        return RoundsResult(tokens, accepted, hidden)

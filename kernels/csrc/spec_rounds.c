@@ -115,6 +115,9 @@ static void draft_norm_rows(const Rounds *r, const float *x, int64_t H, uint16_t
 /* The slot of position p through a block table row. */
 static inline int64_t slot_of(const int32_t *table, int64_t p, int64_t bs) { return (int64_t)table[p / bs] * bs + p % bs; }
 
+/* The call's return value for decoder_forward's `c` in one of its phases (`base`: 100 the target's, 200 the drafter's). */
+static inline int forward_code(int c, int base) { return c < 0 ? c : base + c; }
+
 /* `rounds` rounds of `depth`-token chains for `seqs` sequences: roots[b] at position lengths[b] - 1, the drafter's
  * output at lengths[b] - 2 in last_out [seqs, hidden] bf16 (updated to the last committed position's), block tables
  * [seqs, table_width] (rows table_stride apart). A sequence runs no round past `rooms[b]` positions from its root nor
@@ -172,7 +175,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
                            f.traj_tables, f.parents, NULL};
             const int c = decoder_forward(d, &batch, f.x, threads);
             if (c) {
-                code = c < 0 ? c : 200 + c;
+                code = forward_code(c, 200);
                 goto done;
             }
             for (int64_t i = 0; i < A; i++) draft_norm_rows(r, f.x + i * H, H, f.xb, f.traj + (i * depth + level) * H);
@@ -220,7 +223,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
                         verify_tables, f.parents, NULL};
         c = decoder_forward(t, &verify, f.x, threads);
         if (c) {
-            code = c < 0 ? c : 100 + c;
+            code = forward_code(c, 100);
             goto done;
         }
         lap(ROUND_FORWARD, &mark);
@@ -264,7 +267,7 @@ int spec_rounds(const Rounds *r, int64_t seqs, const int64_t *roots, const int64
                           verify_tables, f.parents, NULL};
         c = decoder_forward(d, &catch_up, f.x, threads);
         if (c) {
-            code = c < 0 ? c : 200 + c;
+            code = forward_code(c, 200);
             goto done;
         }
         for (int64_t i = 0; i < A; i++) {
