@@ -12,8 +12,8 @@ sequences (`plan_groups`) so that each scaled-dot-product call reads only keys i
 sequences with many new tokens (prefill chunks) attend alone, over a view of the cache when their
 slots are contiguous; short queries (decodes, trees) of similar context lengths attend together,
 padded to the longest in their group. `reference_paged_attention` is the per-sequence definition the
-tests hold it to. On CUDA (or when forced) the Triton kernel of `kernels/paged_attention.py` runs instead, reading
-the blocks in place through the block tables.
+tests hold it to. On CUDA (or when forced) the Triton kernel of `lyanna_kernels/paged_attention.py` runs
+instead, reading the blocks in place through the block tables.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from lyanna_kernels.dispatch import use_triton
 
 MAX_GROUPED_QUERIES = 64  # sequences with more new tokens than this attend alone
 GROUP_PADDING_RATIO = 1.3  # a group's padded query-key pairs may exceed the real ones by this factor ...
@@ -79,7 +79,7 @@ class AttentionMetadata:
     is_tree: torch.Tensor | None = None  # [B] int32, 1 where the sequence's new tokens are a tree
     parents: torch.Tensor | None = None  # [T] int32 parent of each new token among its sequence's (-1: none); CPU
     # [B] int32: each causal run's lead prompt tokens, which the fused CPU decoder attends 16 at a time
-    # (kernels/fused_decoder.py); 0 for trees; CPU
+    # (lyanna_kernels/fused_decoder.py); 0 for trees; CPU
     prompt_tokens: torch.Tensor | None = None
 
 
@@ -237,7 +237,7 @@ def build_attention_metadata(
     """Lay out a ragged batch for `paged_attention`: computed on the host, moved to the device once.
     `block_tables`, when given, is the caller's persistent device buffer ([>= B, >= max blocks] int32)
     whose leading rows are filled in place; otherwise a new tensor is made. Without `cpu_groups` the CPU
-    implementation's groups are not planned (a caller that attends by other means: kernels/fused_decoder.py)."""
+    implementation's groups are not planned (a caller that attends by other means: lyanna_kernels/fused_decoder.py)."""
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
@@ -309,7 +309,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, num_heads * head_dim], in the cache's dtype
     """Scaled dot-product attention of each new token over its sequence's cached and new keys."""
     if use_triton(q):
-        from kernels.paged_attention import triton_paged_attention
+        from lyanna_kernels.paged_attention import triton_paged_attention
 
         return triton_paged_attention(q, k_cache, v_cache, meta, scale)
     T, heads, dim = q.shape

@@ -26,7 +26,7 @@ from engines.attention import AttentionMetadata, ancestor_bitmasks
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
 from engines.step_plan import StepPlan
-from kernels.dispatch import use_triton
+from lyanna_kernels.dispatch import use_triton
 
 GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 129, 8))  # sequences per bucket (up to the engine's max_num_seqs)
 GRAPH_TREE_SIZES = (2, 4, 8, 16, 32, 64)  # new tokens per sequence of the verification buckets

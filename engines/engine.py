@@ -33,8 +33,8 @@ from engines.spec_params import SpecParams
 from engines.structured_output import StructuredOutputCompiler
 from engines.tensor_parallel import CacheSpec, ParallelModelRunner, WorkerGroup
 from engines.tokenizer import IncrementalDetokenizer, Tokenizer
-from kernels import fused_decoder
-from kernels.dispatch import set_deterministic, set_kernel_mode
+from lyanna_kernels import fused_decoder
+from lyanna_kernels.dispatch import set_deterministic, set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class LLMEngine:
         self.checkpoint = loaded.checkpoint
         self.tokenizer = Tokenizer(loaded.checkpoint)
         cfg = self.model_config
-        # whether the fused CPU decoder (kernels/fused_decoder.py) can take every step of this model
+        # whether the fused CPU decoder (lyanna_kernels/fused_decoder.py) can take every step of this model
         fused = self.device.type == "cpu" and not config.enforce_eager and fused_decoder.applies_to_model(self.model)
         setting = parse_kv_cache_dtype(config.kv_cache_dtype)
         dtype = kv_cache_dtype(setting, parse_dtype(config.dtype), self.device, fused)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engines.loader import parse_dtype, parse_kv_cache_dtype
 from engines.spec_decode.policy import AdaptiveSettings
 from engines.spec_params import SpecParams
-from kernels.dispatch import default_kernel_mode
+from lyanna_kernels.dispatch import default_kernel_mode
 
 DrafterName = Literal["none", "ngram", "suffix", "draft-model", "lyanna", "eagle", "lyanna+suffix"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.quantized_linear import GROUP_SIZE, Int4Codes
+from lyanna_kernels.quantized_linear import GROUP_SIZE, Int4Codes
 
 log = logging.getLogger(__name__)
 

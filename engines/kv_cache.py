@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.errors import CacheCapacityError
-from kernels.dispatch import cpu_has_half_precision_math, use_triton
+from lyanna_kernels.dispatch import cpu_has_half_precision_math, use_triton
 
 
 def kv_cache_dtype(
@@ -68,9 +68,9 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 def copy_slots(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """k[:, dst] = k[:, src] and the same for v ([layers, slots, kv_heads, head_dim] caches, [M] int64
     slot indices on their device): every source is read before any destination is written. Runs the
-    Triton kernel of `kernels/kv_commit.py` where `use_triton` says so (up to its moves per launch)."""
+    Triton kernel of `lyanna_kernels/kv_commit.py` where `use_triton` says so (up to its moves per launch)."""
     if use_triton(k):
-        from kernels.kv_commit import MAX_COMMIT_MOVES, triton_copy_slots  # lazily: triton is optional
+        from lyanna_kernels.kv_commit import MAX_COMMIT_MOVES, triton_copy_slots  # lazily: triton is optional
 
         if len(src) <= MAX_COMMIT_MOVES:
             triton_copy_slots(k, v, src, dst)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from engines.config import ModelConfig, UnsupportedModelError
 from engines.model import LlamaModel
 from engines.parallel import TensorParallel
-from kernels.quantized_linear import QUANTIZATIONS
+from lyanna_kernels.quantized_linear import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 

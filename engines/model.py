@@ -26,9 +26,9 @@ from engines.parallel import (
     TensorParallel,
     balanced_shares,
 )
-from kernels import fused_decoder, onednn_linear
-from kernels.dispatch import deterministic, use_triton
-from kernels.quantized_linear import (
+from lyanna_kernels import fused_decoder, onednn_linear
+from lyanna_kernels.dispatch import deterministic, use_triton
+from lyanna_kernels.quantized_linear import (
     GROUP_SIZE,
     Int4Codes,
     QuantizedWeight,
@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if deterministic() and use_triton(x):
-            from kernels.batch_invariant import rms_norm  # (triton: the gpu extra)
+            from lyanna_kernels.batch_invariant import rms_norm  # (triton: the gpu extra)
 
             return rms_norm(x, self.weight, self.eps)
         if x.dtype == self.weight.dtype == torch.float32:
@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
         if self.lm_head_exact is not None:
             return F.linear(hidden.float(), self.lm_head_exact)
         if deterministic() and use_triton(hidden):
-            from kernels.batch_invariant import linear  # (triton: the gpu extra)
+            from lyanna_kernels.batch_invariant import linear  # (triton: the gpu extra)
 
             return linear(hidden, self.lm_head_weight).float()
         return onednn_linear.linear(hidden, self.lm_head_weight, self.lm_head_packed, self.lm_head_wide).float()
@@ -338,7 +338,7 @@ class LlamaModel(nn.Module):
             self._take_head(quantize_int8(stored))
 
     def fused_decoder(self, kv_cache: PagedKVCache, num_tokens: int) -> fused_decoder.FusedDecoder | None:
-        """The one-call CPU decoder (kernels/fused_decoder.py) for a step of `num_tokens` new tokens over
+        """The one-call CPU decoder (lyanna_kernels/fused_decoder.py) for a step of `num_tokens` new tokens over
         `kv_cache`, where it applies; None: the eager layers run."""
         if self.enforce_eager or not 0 < num_tokens <= fused_decoder.max_rows():
             return None

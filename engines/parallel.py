@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from engines.kv_cache import cpu_has_half_precision_math
-from kernels import onednn_linear
-from kernels.dispatch import deterministic, use_triton
-from kernels.quantized_linear import (
+from lyanna_kernels import onednn_linear
+from lyanna_kernels.dispatch import deterministic, use_triton
+from lyanna_kernels.quantized_linear import (
     ACTIVATION_DTYPE,
     Int4Codes,
     QuantizedWeight,
@@ -151,7 +151,7 @@ class PackableLinear(nn.Module):
                 return torch.nn.functional.linear(x.float(), self.wide)
             return self.quant.matmul(x)
         if deterministic() and use_triton(x):
-            from kernels.batch_invariant import linear  # (triton: the gpu extra)
+            from lyanna_kernels.batch_invariant import linear  # (triton: the gpu extra)
 
             return linear(x, self.weight)
         return onednn_linear.linear(x, self.weight, self.packed, self.wide)

@@ -20,7 +20,7 @@ import torch
 from engines.errors import InvalidRequestError
 from engines.positional_random import gumbel_for
 from engines.structured_params import StructuredOutputParams
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is any int64
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position (OpenAI's top_logprobs limit)
@@ -146,7 +146,7 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
 
 def vocab_argmax(values: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value over the last dimension (the first on ties; a NaN wins), as
-    argmax gives it: on CPUs our AVX2 kernel (kernels/csrc/argmax.c: 2-3x torch's row max over a batch of
+    argmax gives it: on CPUs our AVX2 kernel (lyanna_kernels/csrc/argmax.c: 2-3x torch's row max over a batch of
     vocabularies), elsewhere torch's row max (several times faster than argmax over a vocabulary)."""
     fast = integer_dot.row_argmax(values)
     return fast if fast is not None else values.max(-1).indices

@@ -10,7 +10,7 @@ rank still reads the previous call's. Tensors larger than a slot go through the 
 Publishing relies on the CPU keeping stores in program order (x86-64's TSO): the data copy is visible
 before the sequence number. Other CPUs use the fallback group for every call (`supported()`).
 
-The fused CPU decoder (kernels/csrc/decoder.c) sums through the same segment from C, inside its forward:
+The fused CPU decoder (lyanna_kernels/csrc/decoder.c) sums through the same segment from C, inside its forward:
 `SharedSegment` gives it the addresses, and this rank's call counter and wait time live in memory both
 sides update, so calls from Python and from C interleave in one sequence.
 """

@@ -37,7 +37,7 @@ from engines.parallel import TensorParallel
 from engines.shm_all_reduce import SharedMemoryAllReduce
 from engines.shm_channel import SharedMemoryChannel
 from engines.step_plan import StepPlan
-from kernels.dispatch import set_deterministic, set_kernel_mode
+from lyanna_kernels.dispatch import set_deterministic, set_kernel_mode
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class TensorParallelWorker:
 
     def ping(self) -> dict[str, Any]:
         """Liveness for the replica's health check: rank, whether the command loop runs, steps run, time
-        waited in all-reduces, and whether decode steps run the fused CPU decoder (kernels/fused_decoder.py)."""
+        waited in all-reduces, and whether decode steps run the fused CPU decoder (lyanna_kernels/fused_decoder.py)."""
         reducer = self.tp.reducer
         wait = getattr(reducer, "wait_seconds", None)
         return {
@@ -252,7 +252,7 @@ class WorkerGroup:
         self.loops: list[Any] = []
 
     def start(self, spec: CacheSpec, max_num_seqs: int, kernels: str = "auto") -> None:
-        """Give every rank its cache and kernel mode (`kernels.dispatch`) and start its command loop."""
+        """Give every rank its cache and kernel mode (`lyanna_kernels.dispatch`) and start its command loop."""
         self.loops = [w.run.remote() for w in self.workers]
         self.channel.send(("setup", spec, max_num_seqs, kernels))
 

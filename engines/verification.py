@@ -44,7 +44,7 @@ import torch
 from engines.draft_tree import DraftTree
 from engines.positional_random import gumbel_noise, seed_to_int64, uniform_noise
 from engines.sampling import SamplingParams, processed_logprobs, vocab_argmax
-from kernels.dispatch import use_triton
+from lyanna_kernels.dispatch import use_triton
 
 
 class Rng(Protocol):
@@ -455,9 +455,9 @@ def walk_trees(
     offsets[r]:offsets[r + 1] ([N] int64 target tokens, draft tokens and parents within the tree);
     `levels` >= the deepest tree's depth + 1, `max_size` >= the largest tree. Returns the accepted
     paths [R, levels] (node indices within each tree, root first, -1 after the end) and the bonus
-    tokens [R]. Runs the Triton kernel of `kernels/tree_walk.py` where `use_triton` says so."""
+    tokens [R]. Runs the Triton kernel of `lyanna_kernels/tree_walk.py` where `use_triton` says so."""
     if use_triton(target_tokens):
-        from kernels.tree_walk import triton_walk_trees
+        from lyanna_kernels.tree_walk import triton_walk_trees
 
         return triton_walk_trees(target_tokens, tree_tokens, parents, offsets, levels, max_size)
     device = target_tokens.device

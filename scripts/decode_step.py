@@ -29,7 +29,7 @@ def linear_share(rounds: int) -> None:
     import torch
 
     from engines.parallel import PackableLinear
-    from kernels import integer_dot
+    from lyanna_kernels import integer_dot
 
     engine = LLMEngine(EngineConfig(drafter="none"))
     weights = [m.quant for m in engine.model.modules() if isinstance(m, PackableLinear)]

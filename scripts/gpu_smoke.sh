@@ -3,7 +3,7 @@
 #  1. fp32, greedy: every drafter's output equals plain decoding (identical_to_none == 1.0).
 #  2. bf16: the benchmark table (plain, Lyanna, EAGLE) at batch 1 and 16.
 #  3. bf16, temperature 1: the same configurations sampled at batch 16.
-#  4. the Triton kernels against their references, and their timings (python -m kernels.bench).
+#  4. the Triton kernels against their references, and their timings (python -m lyanna_kernels.bench).
 #  5. bf16, deterministic mode: its cost against the default at batch 1 and 16, and its outputs equal to plain
 #     decoding's with Lyanna speculating (identical_to_none == 1.0 in bf16).
 # Every stage runs even when an earlier one failed; the exit status says whether all passed.
@@ -67,7 +67,7 @@ fi
 # 4. Triton kernels (the default on CUDA, used by 1 and 2): each against its PyTorch reference, then timed.
 if stage kernels; then
   run kernel-tests $PY -m pytest -q -p no:cacheprovider tests/kernels
-  run kernel-bench $PY -m kernels.bench --device "$DEVICE" --dtype bfloat16
+  run kernel-bench $PY -m lyanna_kernels.bench --device "$DEVICE" --dtype bfloat16
   tail -1 "$OUT/kernel-bench.log"
 fi
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from pathlib import Path
 
 import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engines", "kernels", "policies", "serve_app", "loadtest")
+PACKAGES = ("engines", "lyanna_kernels", "policies", "serve_app", "loadtest")
 # Command-line tools that time kernels against the engine's reference functions (`python -m
-# kernels.bench`): no module imports them, so they stand outside the layering engines -> kernels.
-KERNEL_BENCHMARKS = ("kernels.bench", "kernels.linear_bench")
+# lyanna_kernels.bench`): no module imports them, so they stand outside the layering engines -> kernels.
+KERNEL_BENCHMARKS = ("lyanna_kernels.bench", "lyanna_kernels.linear_bench")
 
 
 def _module_name(path: Path) -> str:
@@ -89,3 +90,12 @@ def test_no_import_cycle_between_packages(depth: int):
             packages.add_edge(pa, pb)
     cycles = list(nx.simple_cycles(packages))
     assert not cycles, f"import cycles between packages: {cycles}"
+
+
+def test_no_package_shadows_an_installed_distribution():
+    """No top-level package of ours has the import name of another installed distribution: transformers 5.25
+    imports Hugging Face's `kernels` when it finds one, and a folder of ours by that name would stand in for it."""
+    owners = importlib.metadata.packages_distributions()
+    for package in PACKAGES:
+        others = {d for d in owners.get(package, []) if d.lower().replace("_", "-") != "lyanna-serve"}
+        assert not others, f"top-level package {package!r} shadows the installed distribution(s) {sorted(others)}"

@@ -71,7 +71,7 @@ from engines.loader import parse_dtype
 from engines.sampling import SamplingParams
 from engines.spec_decode.stats import PHASES, SpecStats, StepProfile
 from engines.spec_params import SpecParams
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 
 
 class HFRunner:

@@ -28,8 +28,8 @@ from engines.kv_cache import PagedKVCache, kv_cache_dtype
 from engines.loader import load_model, parse_kv_cache_dtype
 from engines.model import LlamaModel
 from engines.tokenizer import Tokenizer
-from kernels import fused_decoder
-from kernels.dispatch import set_kernel_mode
+from lyanna_kernels import fused_decoder
+from lyanna_kernels.dispatch import set_kernel_mode
 
 
 def scored_conversations(tokenizer: Tokenizer, num: int, max_tokens: int) -> list[tuple[list[int], int]]:

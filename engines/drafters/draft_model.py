@@ -23,8 +23,8 @@ from engines.request import Request
 from engines.sampling import processed_logprobs
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
-from kernels import fused_decoder
-from kernels.dispatch import cpu_has_half_precision_math
+from lyanna_kernels import fused_decoder
+from lyanna_kernels.dispatch import cpu_has_half_precision_math
 
 
 def draft_cache_dtype(engine, model) -> torch.dtype:

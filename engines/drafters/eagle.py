@@ -27,7 +27,7 @@ from engines.spec_params import SpecParams
 
 if TYPE_CHECKING:
     from engines.kv_cache import PagedKVCache
-    from kernels.fused_decoder import FusedDraftLayer
+    from lyanna_kernels.fused_decoder import FusedDraftLayer
 
 
 class EagleDrafter(LyannaDrafter):
@@ -259,7 +259,7 @@ class _EagerFrontier:
 
 
 class _PagedFrontier:
-    """Frontier attention through the fused layer (kernels/fused_decoder.py): frontier node j of request b
+    """Frontier attention through the fused layer (lyanna_kernels/fused_decoder.py): frontier node j of request b
     runs as a sequence of its own, whose block table is the request's full context blocks followed by
     path j's scratch blocks. A path holds a copy of the context's partial last block, then the node's
     ancestors' keys and its own; `follow` copies each parent's path into its children's."""

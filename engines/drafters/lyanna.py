@@ -34,12 +34,12 @@ from engines.drafters.token_info_sampling import build_subtrees
 from engines.request import Request
 from engines.spec_params import SpecParams
 from engines.verification import VerifyResult
-from kernels import integer_dot
-from kernels.draft_native import DraftChains, DraftFuse
+from lyanna_kernels import integer_dot
+from lyanna_kernels.draft_native import DraftChains, DraftFuse
 
 if TYPE_CHECKING:
     from engines.kv_cache import PagedKVCache
-    from kernels.fused_decoder import FusedDraftLayer
+    from lyanna_kernels.fused_decoder import FusedDraftLayer
 
 
 @dataclass
@@ -209,7 +209,7 @@ class LyannaDrafter(Drafter):
     def on_finished(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
 
-    # ---- speculative rounds in one native call (kernels/spec_rounds.py) ------------------------------
+    # ---- speculative rounds in one native call (lyanna_kernels/spec_rounds.py) ------------------------------
     def takes_rounds(self) -> bool:
         """Whether its width-1 chains can run as native rounds beside the fused decoder: the fused layer, the
         native chains and fusion, and a trajectory that reads the hidden state alone (no `chain_fusion`)."""

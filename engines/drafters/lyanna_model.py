@@ -27,11 +27,11 @@ from engines.config import ModelConfig
 from engines.drafters.token_info import TokenInfoEmbedding
 from engines.model import MLP, RMSNorm, RotaryEmbedding, apply_rope
 from engines.parallel import ColumnParallelLinear, PackableLinear, RowParallelLinear, TensorParallel
-from kernels import onednn_linear
-from kernels.quantized_linear import QuantizedWeight, quantize_int8
+from lyanna_kernels import onednn_linear
+from lyanna_kernels.quantized_linear import QuantizedWeight, quantize_int8
 
 if TYPE_CHECKING:
-    from kernels.fused_decoder import FusedDraftLayer
+    from lyanna_kernels.fused_decoder import FusedDraftLayer
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def fused_draft_layer(model: LyannaDraftModel, kv_cache, max_seqs: int) -> Fused
     """Quantize the drafter's projections and LM head to int8 (groups of 32, as the target's kernels take them)
     and return its decoder layer in one call over a cache of one layer beside the target's `kv_cache`
     (the same block tables)."""
-    from kernels.fused_decoder import FusedDraftLayer, LayerWeights
+    from lyanna_kernels.fused_decoder import FusedDraftLayer, LayerWeights
 
     for linear in (model.fuse, model.qkv_proj, model.o_proj, model.mlp.gate_up_proj, model.mlp.down_proj):
         linear.quantize("int8")

@@ -21,7 +21,7 @@ import torch
 
 from engines.draft_tree import DraftTree
 from engines.drafters.token_info import TokenInfoTable
-from kernels.dispatch import use_triton
+from lyanna_kernels.dispatch import use_triton
 
 TokenInfo = Callable[[torch.Tensor], torch.Tensor]  # [F] token ids -> [F, vocab] logit offsets
 
@@ -124,9 +124,9 @@ def expand_depth(
     frontier tokens and joint scores [n, F]. Returns the candidates' tokens and joint probabilities
     [n, F * k] (frontier node by node, each node's top k by rank) and the next frontier, `next_frontier`
     of the joint scores ([n, k]). A collapsed token-info table (or none) runs the Triton kernels of
-    `kernels/token_info_expansion.py` where `use_triton` says so."""
+    `lyanna_kernels/token_info_expansion.py` where `use_triton` says so."""
     if use_triton(raw) and (token_info is None or isinstance(token_info, TokenInfoTable)):
-        from kernels.token_info_expansion import triton_expand_depth
+        from lyanna_kernels.token_info_expansion import triton_expand_depth
 
         return triton_expand_depth(raw, frontier_tokens, frontier_scores, token_info, k, d2t)
     n, f = frontier_tokens.shape

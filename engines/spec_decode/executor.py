@@ -45,8 +45,8 @@ from engines.spec_params import SpecParams
 from engines.step_plan import StepPlan
 from engines.structured_output import MaskedRows, mask_logits, prune_draft
 from engines.verification import VerifyItem, VerifyResult, verify_batch, verify_greedy
-from kernels.fused_decoder import native_seconds
-from kernels.spec_rounds import SpecRounds, phase_seconds
+from lyanna_kernels.fused_decoder import native_seconds
+from lyanna_kernels.spec_rounds import SpecRounds, phase_seconds
 
 log = logging.getLogger(__name__)
 
@@ -321,10 +321,10 @@ class SpecDecodeExecutor:
         self, scheduled: list[ScheduledRequest], depth: int, began: float, record: StepRecord
     ) -> list[RequestStepResult] | None:
         """Up to `multi_step` rounds of `depth`-token chains for every scheduled request in one native call
-        (kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead) and its
-        `max_tokens`, and none after a stop token; a request's results are every token the rounds committed. None
-        where a request's drafter has no context yet or the call fails (logged): the step then decodes without
-        drafts."""
+        (lyanna_kernels/spec_rounds.py), each within the tokens and blocks granted to it (its draft and lookahead)
+        and its `max_tokens`, and none after a stop token; a request's results are every token the rounds committed.
+        None where a request's drafter has no context yet or the call fails (logged): the step then decodes
+        without drafts."""
         rounds, drafter, model = self._spec_rounds(), _model_drafter(self.drafter), self.runner.model
         assert rounds is not None and isinstance(drafter, LyannaDrafter)
         requests = [s.request for s in scheduled]

@@ -144,10 +144,10 @@ PROFILE_FORMAT = 2  # bump when what a saved profile holds changes
 def _code_digest() -> str:
     """A digest of the engine's and kernels' source files (a step's cost follows the code)."""
     import engines
-    import kernels
+    import lyanna_kernels
 
     h = hashlib.sha256()
-    for package in (engines, kernels):
+    for package in (engines, lyanna_kernels):
         root = Path(package.__file__).parent
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
             h.update(str(path.relative_to(root)).encode())

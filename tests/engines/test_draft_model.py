@@ -8,7 +8,7 @@ import torch
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels.dispatch import cpu_has_half_precision_math
+from lyanna_kernels.dispatch import cpu_has_half_precision_math
 from tests.conftest import CHAT_PROMPTS
 from tests.engines.helpers import tiny_llama_checkpoint
 

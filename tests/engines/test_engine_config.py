@@ -22,8 +22,8 @@ from engines.engine_config import (
     engine_config_from_args,
 )
 from engines.spec_params import SpecParams
-from kernels.dispatch import KERNEL_MODES
-from kernels.quantized_linear import QUANTIZATIONS
+from lyanna_kernels.dispatch import KERNEL_MODES
+from lyanna_kernels.quantized_linear import QUANTIZATIONS
 from serve_app.replica import EngineSettings
 
 ROOT = Path(__file__).resolve().parents[2]

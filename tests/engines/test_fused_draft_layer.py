@@ -1,4 +1,4 @@
-"""The drafters' decoder layer in one call (kernels/fused_decoder.py: FusedDraftLayer) in the served
+"""The drafters' decoder layer in one call (lyanna_kernels/fused_decoder.py: FusedDraftLayer) in the served
 configuration: the embedded model (bf16, the GGUF's int4 blocks, the fused decoder) with the shipped Lyanna
 and EAGLE, whose projections and LM head run int8 over a paged cache addressed by the target's block tables
 (EAGLE's frontier nodes each over a path of scratch blocks)."""
@@ -21,8 +21,8 @@ from engines.parallel import PackableLinear
 from engines.request import Request
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels import integer_dot
-from kernels.quantized_linear import dequantized
+from lyanna_kernels import integer_dot
+from lyanna_kernels.quantized_linear import dequantized
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="the integer-dot kernels do not build here")
@@ -149,8 +149,8 @@ def test_a_fused_row_does_not_depend_on_its_batch(engine):
 
 
 def test_native_chains_are_the_python_chains(engine):
-    """Width-1 drafting in one native call (kernels/draft_native.py) gives `LyannaDraftModel.logits` bit for bit and
-    the tokens Algorithm 1 picks at width 1, with their joint probabilities up to fp32 rounding; a root that is no
+    """Width-1 drafting in one native call (lyanna_kernels/draft_native.py) gives `LyannaDraftModel.logits` bit for bit
+    and the tokens Algorithm 1 picks at width 1, with their joint probabilities up to fp32 rounding; a root that is no
     target token is refused."""
     drafter = engine.executor.drafter
     model, chains = drafter.model, drafter.chains

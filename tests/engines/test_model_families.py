@@ -30,7 +30,7 @@ from engines.errors import ContextLengthError
 from engines.loader import load_model, resolve_checkpoint
 from engines.parallel import TensorParallel
 from engines.sampling import SamplingParams
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 from tests.engines.helpers import forward_one, new_cache, random_draft_checkpoint
 
 VOCAB = 49152  # the embedded model's tokenizer, which every tiny checkpoint ships with

@@ -11,7 +11,7 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.request import Request
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")

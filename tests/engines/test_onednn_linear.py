@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import onednn_linear
+from lyanna_kernels import onednn_linear
 
 
 def test_packed_linear_matches_the_plain_one():

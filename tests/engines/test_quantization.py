@@ -15,8 +15,8 @@ from engines.gguf_weights import GGUFWeights, hf_name, hf_rows, read_gguf
 from engines.loader import CheckpointReader, embedded_gguf_path, load_model, resolve_checkpoint, resolve_quantization
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels import integer_dot
-from kernels.quantized_linear import (
+from lyanna_kernels import integer_dot
+from lyanna_kernels.quantized_linear import (
     GROUP_SIZE,
     Int4Codes,
     dequantized,

@@ -16,7 +16,7 @@ import pytest
 from engines.engine import EngineConfig, LLMEngine
 from engines.request import GenerationRequest
 from engines.sampling import SamplingParams
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 from tests.conftest import CHAT_PROMPTS
 from tests.engines.helpers import deltas
 

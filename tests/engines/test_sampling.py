@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.sampling import SamplingParams, processed_logprobs, sample, vocab_argmax
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

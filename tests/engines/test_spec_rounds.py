@@ -1,4 +1,4 @@
-"""Lyanna's width-1 chains as several native rounds a call (kernels/spec_rounds.py, the executor's spec rounds):
+"""Lyanna's width-1 chains as several native rounds a call (lyanna_kernels/spec_rounds.py, the executor's spec rounds):
 greedy answers are plain decoding's, drafts are accepted as the step-by-step path accepts them, and a request
 stops where its tokens or its grant end."""
 
@@ -10,7 +10,7 @@ from engines.bench.cli import served_settings
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_decode.policy import AdaptivePolicy, AdaptiveSettings
-from kernels import integer_dot
+from lyanna_kernels import integer_dot
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="the integer-dot kernels do not build here")

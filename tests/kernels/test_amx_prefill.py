@@ -1,7 +1,7 @@
 """Prompt chunks in the fused CPU decoder, on every CPU: prompt tokens attend as runs whose results do not depend on
 how the prompt is cut into chunks or what else is in the batch and equal decoding the same tokens, at least as
-accurately as the eager layers, in a bf16 or an int8 cache. Where AMX runs (kernels/csrc/amx.c): projections of many
-rows equal csrc/vnni.c's bit for bit, and the opt-in bf16 prompt projections (`LYANNA_PROMPT_BF16=1`) stay as
+accurately as the eager layers, in a bf16 or an int8 cache. Where AMX runs (lyanna_kernels/csrc/amx.c): projections of
+many rows equal csrc/vnni.c's bit for bit, and the opt-in bf16 prompt projections (`LYANNA_PROMPT_BF16=1`) stay as
 accurate as the eager layers."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from engines.attention import SequenceLayout, build_attention_metadata
 from engines.config import ModelConfig
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
-from kernels import fused_decoder, integer_dot
-from kernels.quantized_linear import quantize
+from lyanna_kernels import fused_decoder, integer_dot
+from lyanna_kernels.quantized_linear import quantize
 from tests.kernels.test_fused_decoder import cache_values, copy_cache, fill_random, reference_layers
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")

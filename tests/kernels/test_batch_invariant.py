@@ -1,4 +1,4 @@
-"""The deterministic mode's kernels (kernels/batch_invariant.py; Triton's interpreter on CPU, compiled on a GPU):
+"""The deterministic mode's kernels (lyanna_kernels/batch_invariant.py; Triton's interpreter on CPU, compiled on a GPU):
 products and norms close to PyTorch's and each row the same bits whatever shares its launch; and a model's eager
 layers on the Triton kernels with `deterministic` on compute a decode row the same alone and beside a prompt."""
 
@@ -11,7 +11,7 @@ from engines.attention import SequenceLayout, build_attention_metadata
 from engines.config import ModelConfig
 from engines.kv_cache import PagedKVCache
 from engines.model import LlamaModel
-from kernels import dispatch
+from lyanna_kernels import dispatch
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,7 +29,7 @@ def deterministic_triton():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_product_and_norm_do_not_depend_on_the_other_rows(dtype):
-    from kernels.batch_invariant import linear, rms_norm
+    from lyanna_kernels.batch_invariant import linear, rms_norm
 
     torch.manual_seed(0)
     w = torch.randn(100, 96, device=DEVICE).to(dtype)  # N and K not multiples of the 64-wide tiles

@@ -15,7 +15,7 @@ from engines.drafters.lyanna_model import LyannaConfig, LyannaDraftModel
 from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels import dispatch
+from lyanna_kernels import dispatch
 from tests.engines.helpers import tiny_llama_checkpoint
 
 pytest.importorskip("triton")

@@ -1,4 +1,4 @@
-"""The one-call CPU decoder (kernels/fused_decoder.py): it computes the model's layers over the quantized
+"""The one-call CPU decoder (lyanna_kernels/fused_decoder.py): it computes the model's layers over the quantized
 weights, rows do not depend on their batch, and in the served configuration speculation stays lossless."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from engines.model import LlamaModel
 from engines.parallel import PackableLinear
 from engines.sampling import SamplingParams
 from engines.spec_params import SpecParams
-from kernels import dispatch, fused_decoder, integer_dot
-from kernels.quantized_linear import GROUP_SIZE, dequantized, quantize, relayout
+from lyanna_kernels import dispatch, fused_decoder, integer_dot
+from lyanna_kernels.quantized_linear import GROUP_SIZE, dequantized, quantize, relayout
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")

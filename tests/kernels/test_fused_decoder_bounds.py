@@ -12,8 +12,8 @@ import torch
 
 from engines.attention import AttentionMetadata, build_attention_metadata
 from engines.kv_cache import PagedKVCache
-from kernels import fused_decoder, integer_dot
-from kernels.quantized_linear import quantize
+from lyanna_kernels import fused_decoder, integer_dot
+from lyanna_kernels.quantized_linear import quantize
 from tests.kernels.test_fused_decoder import BLOCK, positions_of, ragged_batch, tiny_model
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")

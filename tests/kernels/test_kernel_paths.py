@@ -1,5 +1,5 @@
-"""The integer-dot path each class of row counts takes (kernels/csrc/vnni.c's `kernel_path`): measured at start-up
-among the paths this CPU runs, recorded by the benchmarks, and without effect on any number."""
+"""The integer-dot path each class of row counts takes (lyanna_kernels/csrc/vnni.c's `kernel_path`): measured at
+start-up among the paths this CPU runs, recorded by the benchmarks, and without effect on any number."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from kernels import integer_dot
-from kernels.quantized_linear import quantize
+from lyanna_kernels import integer_dot
+from lyanna_kernels.quantized_linear import quantize
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="no AVX2 CPU or C compiler here")
 

@@ -1,5 +1,5 @@
-"""Prompt runs (kernels/csrc/decoder.c's attend_run_rows) with AMX off, the path of CPUs without it: a prompt's tokens
-attend as runs whose results do not depend on how the prompt is cut into chunks or on what else is in the batch,
+"""Prompt runs (lyanna_kernels/csrc/decoder.c's attend_run_rows) with AMX off, the path of CPUs without it: a prompt's
+tokens attend as runs whose results do not depend on how the prompt is cut into chunks or on what else is in the batch,
 equal decoding the same tokens one by one, and are at least as accurate as the eager layers, in an fp32, bf16 or
 int8 cache."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.attention import SequenceLayout
-from kernels import fused_decoder, integer_dot
+from lyanna_kernels import fused_decoder, integer_dot
 from tests.kernels.test_amx_prefill import (
     HIDDEN,
     assert_decode_beside_prompt_unchanged,

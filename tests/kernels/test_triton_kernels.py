@@ -17,7 +17,7 @@ from engines.drafters.token_info_sampling import build_subtrees, expand_depth
 from engines.kv_cache import PagedKVCache, copy_slots
 from engines.sampling import SamplingParams
 from engines.verification import VerifyItem, follow_target, verify_batch, walk_trees
-from kernels import dispatch
+from lyanna_kernels import dispatch
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -347,7 +347,7 @@ import triton
 from triton.backends import backends
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.kv_commit import _kv_commit_kernel
+from lyanna_kernels.kv_commit import _kv_commit_kernel
 
 if "nvidia" not in backends:
     print(json.dumps(None))
@@ -401,7 +401,7 @@ def test_dispatch_modes(mode, monkeypatch):
 
 @pytest.mark.slow
 def test_kernel_benchmark_prints_one_json_line_with_every_kernel(capsys):
-    from kernels import bench
+    from lyanna_kernels import bench
 
     bench.main(["--device", DEVICE, "--scale", "0.03", "--reps", "1"])
     line = capsys.readouterr().out.strip()

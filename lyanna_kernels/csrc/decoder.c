@@ -666,7 +666,7 @@ static int check_batch(const Decoder *m, Batch *b) {
 static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* Seconds each part of the forward took on thread 0, summed over calls while profiling is on
- * (decoder_profile): where a step's time goes (kernels/fused_decoder.py's `profile`). */
+ * (decoder_profile): where a step's time goes (lyanna_kernels/fused_decoder.py's `profile`). */
 enum { PHASE_NORM, PHASE_QKV, PHASE_ROPE, PHASE_ATTEND, PHASE_O, PHASE_MLP_IN, PHASE_GATE_UP, PHASE_SWIGLU,
        PHASE_DOWN, NUM_PHASES };
 static int profiling = 0;

@@ -1,4 +1,4 @@
-"""A drafter's host-heavy pieces in native calls (kernels/csrc/draft_native.c), for Lyanna beside the fused CPU
+"""A drafter's host-heavy pieces in native calls (lyanna_kernels/csrc/draft_native.c), for Lyanna beside the fused CPU
 decoder: `DraftFuse`, its input fusion W_fuse [norm(h); norm(E(t))], and `DraftChains`, the LM head over every
 request's trajectory and token-info tree sampling at width 1 (the width-1 trees the policy asks for on CPU).
 
@@ -14,8 +14,8 @@ import ctypes
 
 import torch
 
-from kernels import integer_dot
-from kernels.quantized_linear import QuantizedWeight
+from lyanna_kernels import integer_dot
+from lyanna_kernels.quantized_linear import QuantizedWeight
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 

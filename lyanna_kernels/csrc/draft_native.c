@@ -1,4 +1,4 @@
-/* A drafter's host-heavy pieces in native calls (kernels/draft_native.py): Lyanna's input fusion, and its draft
+/* A drafter's host-heavy pieces in native calls (lyanna_kernels/draft_native.py): Lyanna's input fusion, and its draft
  * chains (the LM head over every request's trajectory and token-info tree sampling at width 1, paper Algorithm 1
  * with one child a node).
  *

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import deterministic, interpreting, next_power_of_2
+from lyanna_kernels.dispatch import deterministic, interpreting, next_power_of_2
 
 BLOCK_N = 32  # keys per iteration
 MAX_BLOCK_M = 64  # (new token, query head) rows per program

@@ -1,8 +1,8 @@
-"""The decoder layers in one call for a few rows at a time on CPU (kernels/csrc/decoder.c).
+"""The decoder layers in one call for a few rows at a time on CPU (lyanna_kernels/csrc/decoder.c).
 
 At a few rows (decode tokens, draft trees, short prefill chunks) eager PyTorch spends more time in the
 ~10 small operators around each layer's projections than in the projections. `FusedDecoder` runs every
-layer of a quantized Llama-family model (integer-dot weights, kernels/integer_dot.py) in one OpenMP region:
+layer of a quantized Llama-family model (integer-dot weights, lyanna_kernels/integer_dot.py) in one OpenMP region:
 norms, int8 activation blocks, projections (with Qwen2's q/k/v biases, fp32, where the model has them),
 RoPE, cache writes, paged attention over the block tables and tree ancestors, SwiGLU and residuals, with
 fp32 activations. It computes the same function as
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import integer_dot
-from kernels.dispatch import kernel_mode
-from kernels.quantized_linear import INTEGER_LAYOUTS
+from lyanna_kernels import integer_dot
+from lyanna_kernels.dispatch import kernel_mode
+from lyanna_kernels.quantized_linear import INTEGER_LAYOUTS
 
 if TYPE_CHECKING:
     from engines.attention import AttentionMetadata
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from engines.model import LlamaModel
     from engines.parallel import PackableLinear, TensorParallel
     from engines.shm_all_reduce import SharedSegment
-    from kernels.quantized_linear import QuantizedWeight
+    from lyanna_kernels.quantized_linear import QuantizedWeight
 
 MAX_ROWS = 64  # rows of one call of a drafter's layer (FusedDraftLayer)
 MANY_ROWS = 16384  # rows of one call of the target's decoder (whole prompt chunks)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import next_power_of_2
+from lyanna_kernels.dispatch import next_power_of_2
 
 TILE = 4096  # frontier nodes x vocabulary entries one pass step holds
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import integer_dot
-from kernels.draft_native import DraftChains, DraftFuse
-from kernels.fused_decoder import FusedDecoder, FusedDraftLayer, GreedyHead, _Layers, _native_seconds
+from lyanna_kernels import integer_dot
+from lyanna_kernels.draft_native import DraftChains, DraftFuse
+from lyanna_kernels.fused_decoder import FusedDecoder, FusedDraftLayer, GreedyHead, _Layers, _native_seconds
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import next_power_of_2
+from lyanna_kernels.dispatch import next_power_of_2
 
 
 @triton.jit

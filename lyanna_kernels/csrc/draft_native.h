@@ -1,5 +1,5 @@
 /* Lyanna's native drafting (draft_native.c): its input fusion and its width-1 draft chains, for the drafter's own
- * calls (kernels/draft_native.py) and for the speculative rounds that run it beside the target (spec_rounds.c). */
+ * calls (lyanna_kernels/draft_native.py) and for the speculative rounds that run it beside the target (spec_rounds.c). */
 #ifndef LYANNA_DRAFT_NATIVE_H
 #define LYANNA_DRAFT_NATIVE_H
 #include <stdint.h>

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpreting, next_power_of_2
+from lyanna_kernels.dispatch import interpreting, next_power_of_2
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # one tile shape for every call
 

@@ -1,15 +1,16 @@
-"""`python -m kernels.linear_bench`: time the embedded model's linear layers under each weight layout.
+"""`python -m lyanna_kernels.linear_bench`: time the embedded model's linear layers under each weight layout.
 
 For each row count (the tokens of one step: 1 for a decode, a few for a verification, many for a
 prefill chunk), the 120 projections of the 30 layers and, separately, the LM head run under:
 - `bf16`: the dense weights, prepacked for oneDNN (quantization `none`);
 - `fp32`: dense fp32 copies (what CPUs without bf16 arithmetic use for GEMMs of many rows);
 - `<setting>/<layout>`: a quantized setting (`gguf`, `int8`, `int4`) packed for the `integer_dot`, `vnni`
-  (AVX512-VNNI CPUs) or `torch` layout (kernels/quantized_linear.py), called directly (no fp32 copy).
+  (AVX512-VNNI CPUs) or `torch` layout (lyanna_kernels/quantized_linear.py), called directly (no fp32 copy).
 Configurations are interleaved repetition by repetition and medians reported. One JSON line:
 milliseconds per configuration and row count, and the path (`kernel_paths`: avx2, vnni or amx) each
 class of row counts took through the interleaved layouts, measured at start-up. The thresholds in
-kernels/onednn_linear.py and kernels/quantized_linear.py (`WIDE_MIN_ROWS`) come from runs of this benchmark.
+lyanna_kernels/onednn_linear.py and lyanna_kernels/quantized_linear.py (`WIDE_MIN_ROWS`) come from runs of this
+benchmark.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import integer_dot, onednn_linear
-from kernels.dispatch import set_kernel_mode
-from kernels.quantized_linear import INTEGER_LAYOUTS, relayout
+from lyanna_kernels import integer_dot, onednn_linear
+from lyanna_kernels.dispatch import set_kernel_mode
+from lyanna_kernels.quantized_linear import INTEGER_LAYOUTS, relayout
 
 Linear = tuple[int, Callable[[torch.Tensor], torch.Tensor]]  # (input features, x -> x @ W.T)
 

@@ -1,9 +1,9 @@
-"""Integer-dot matrix products for 4-bit and 8-bit weights on x86 CPUs with AVX2 (kernels/csrc/int4_gemm.c).
+"""Integer-dot matrix products for 4-bit and 8-bit weights on x86 CPUs with AVX2 (lyanna_kernels/csrc/int4_gemm.c).
 
 PyTorch's weight-only CPU kernels widen every weight to float before multiplying. Like llama.cpp, this
 kernel instead quantizes the activations to int8 in blocks of 32 and multiplies them with the weights'
 codes as integers, so a step reads each weight byte once and does a quarter of the float work. The same
-library holds the one-call decoder of kernels/fused_decoder.py (csrc/decoder.c) and products over weights
+library holds the one-call decoder of lyanna_kernels/fused_decoder.py (csrc/decoder.c) and products over weights
 interleaved 16 output rows at a time (csrc/vnni.c: AVX512-VNNI, else AVX2), whose cost grows far less
 with the number of activation rows (verified draft trees, batches); on CPUs with AMX, the same
 products 16 rows per tile product and the attention of long prompt chunks (csrc/amx.c). The C sources are
@@ -120,11 +120,11 @@ def _library() -> ctypes.CDLL | None:
     lib.kernel_path.restype = i32
     lib.kernel_paths_measure.argtypes = [i32]
     lib.kernel_paths_measure.restype = i32
-    lib.draft_chains.argtypes = [p, p, i64, p, p, p, p, p, i32]  # kernels/draft_native.py
+    lib.draft_chains.argtypes = [p, p, i64, p, p, p, p, p, i32]  # lyanna_kernels/draft_native.py
     lib.draft_chains.restype = i32
     lib.draft_fuse_rows.argtypes = [p, p, p, i64, p, i32]
     lib.draft_fuse_rows.restype = i32
-    # kernels/spec_rounds.py
+    # lyanna_kernels/spec_rounds.py
     lib.spec_rounds.argtypes = [p, i64, p, p, p, p, i64, i64, p, i64, i64, p, i64, i32, p, p, p, p]
     lib.spec_rounds.restype = i32
     lib.spec_rounds_profile.argtypes = [p]

@@ -1,4 +1,4 @@
-"""`python -m kernels.bench --device cuda`: time each Triton kernel against its PyTorch reference.
+"""`python -m lyanna_kernels.bench --device cuda`: time each Triton kernel against its PyTorch reference.
 
 Shapes follow the embedded model (9 query heads over 3 KV heads of 64, 30 layers, a 49,152-token
 vocabulary) at a serving batch; `--scale` shrinks the batch and lengths (Triton's interpreter, which
@@ -35,7 +35,7 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 
 def compare(name: str, run: Callable[[], object], check: Callable[[object, object], float], device, reps: int) -> dict:
     """Run `run` with the kernels and with the references: timings, speed-up, and the check's error."""
-    from kernels.dispatch import set_kernel_mode
+    from lyanna_kernels.dispatch import set_kernel_mode
 
     set_kernel_mode("triton")
     got = run()
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(compare("tree_walk", walk_case(scale, device), max_abs, device, reps))
     rows.append(compare("token_info_expansion", expansion_case(scale, device), max_abs, device, reps))
     rows.append(compare("kv_commit", commit_case(scale, dtype, device), max_abs, device, reps))
-    from kernels.dispatch import interpreting
+    from lyanna_kernels.dispatch import interpreting
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     info = {"device": name, "interpreter": interpreting(), "dtype": args.dtype, "scale": scale, "reps": reps}

@@ -5,7 +5,7 @@ w = (q - 8) * s + z. That is exactly GGUF's Q4_0 (z = 0) and Q4_1 (w = q * d + m
 z = m + 8 d), which load without re-quantizing (engines/gguf_weights.py).
 
 Three layouts compute the products, all taking and returning bf16:
-- "integer_dot" (kernels/integer_dot.py; the row layout, kept for weights whose output size "vnni" does not
+- "integer_dot" (lyanna_kernels/integer_dot.py; the row layout, kept for weights whose output size "vnni" does not
   take): int8 activations times the codes as integers, llama.cpp's way; int8 weights have a scale per group
   of 32 (GGUF's Q8_0); scales and minimums are fp16, as GGUF stores them.
 - "vnni" (the default): the same numbers, with the codes interleaved 16 output rows at a time for dot
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import integer_dot
-from kernels.dispatch import kernel_mode
+from lyanna_kernels import integer_dot
+from lyanna_kernels.dispatch import kernel_mode
 
 GROUP_SIZE = 32
 INT4_ROW_MULTIPLE = 16  # PyTorch's CPU int4 packing takes output sizes divisible by 16
@@ -33,12 +33,12 @@ ACTIVATION_DTYPE = torch.bfloat16  # what the packed kernels take (and return)
 LAYOUTS = ("integer_dot", "vnni", "torch")
 # On a CPU without bf16 arithmetic (AVX2) fp32 GEMMs over the dequantized values beat the quantized kernels
 # from about this many rows; such CPUs keep an fp32 copy of the values for those GEMMs. Measured on the
-# embedded model's projections, 2 cores (`python -m kernels.bench --linears`): torch int4 98.6 ms vs fp32
+# embedded model's projections, 2 cores (`python -m lyanna_kernels.bench --linears`): torch int4 98.6 ms vs fp32
 # 136 ms at 16 rows, 184 vs 174 at 32; integer-dot int4 120 vs 136 at 32 rows, 235 vs 204 at 64.
 # (VNNI CPUs without bf16 arithmetic were not measured; the VNNI kernel's cost per extra row is a fraction of
 # the AVX2 one's, so the copy is left to long prompt chunks there.)
 WIDE_MIN_ROWS = {"integer_dot": 48, "vnni": 256, "torch": 24}
-INTEGER_LAYOUTS = ("integer_dot", "vnni")  # the layouts of kernels/integer_dot.py
+INTEGER_LAYOUTS = ("integer_dot", "vnni")  # the layouts of lyanna_kernels/integer_dot.py
 
 
 def default_layout() -> str:

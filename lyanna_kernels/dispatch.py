@@ -54,8 +54,8 @@ _deterministic = False
 
 
 def set_deterministic(on: bool) -> None:
-    """Where the Triton kernels run, run the batch-invariant ones (kernels/batch_invariant.py) and attention in one
-    tile shape, so a row computes the same bits whatever shares its launch (`EngineConfig.deterministic`)."""
+    """Where the Triton kernels run, run the batch-invariant ones (lyanna_kernels/batch_invariant.py) and attention in
+    one tile shape, so a row computes the same bits whatever shares its launch (`EngineConfig.deterministic`)."""
     global _deterministic
     _deterministic = on
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import next_power_of_2
+from lyanna_kernels.dispatch import next_power_of_2
 
 MAX_COMMIT_MOVES = 4096  # moves one launch takes (all in registers at once); a step with more takes PyTorch's copy
 TILE = 8192  # elements one program holds: moves x row chunk

@@ -1,4 +1,4 @@
-/* Rounds of Lyanna's width-1 speculation beside the fused decoder, several in one call (kernels/spec_rounds.py).
+/* Rounds of Lyanna's width-1 speculation beside the fused decoder, several in one call (lyanna_kernels/spec_rounds.py).
  *
  * A round of a sequence whose last token (the root, not yet computed) sits at position T - 1:
  *   draft:   the trajectory h_1 = the drafter's output at T - 2 (`last_out`), h_i = norm(layer(h_{i-1})) at
