@@ -35,6 +35,7 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # the interpreter multiplies bf16 blocks in fp32
+    INTERPRETED: tl.constexpr,  # Triton's interpreter: products summed per row (see below)
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,7 +50,12 @@ def _linear_kernel(
         w = tl.load(w_ptr + cols[:, None] * w_stride + k[None, :], mask=w_mask, other=0.0)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w))
+        if INTERPRETED:
+            # The interpreter's tl.dot is NumPy's matmul, whose BLAS kernels may round a row by its place in their
+            # register tiles (OpenBLAS's AVX2 sgemm does): a plain product and row sum is the same for every row.
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:
+            acc += tl.dot(x, tl.trans(w))
     tl.store(
         out_ptr + rows[:, None] * out_stride + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -70,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [
     _linear_kernel[grid](
         x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        UPCAST=interpreting() and weight.dtype != torch.float32,
+        UPCAST=interpreting() and weight.dtype != torch.float32, INTERPRETED=interpreting(),
     )  # fmt: skip
     return out
 
