@@ -258,7 +258,7 @@ class LyannaDrafter(Drafter):
         if self.fuse is not None and not m.fuse.takes_wide(hidden.shape[0]):
             x = self.fuse(hidden, ids[0]).to(hidden.dtype)
         else:  # (and the rows a CPU without bf16 arithmetic projects through an fp32 copy: a prompt read at once)
-            x = m.fused_input(hidden, ids[0])
+            x = m.fused_input(hidden, ids[0]).to(hidden.dtype)  # that copy's rows come out in fp32
         if self.fused_layer is not None:
             return self._advance_fused(spans, todo, x)
         q, k, v = m._qkv(x, ids[1])

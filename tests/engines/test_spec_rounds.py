@@ -11,6 +11,7 @@ from engines.engine import EngineConfig, LLMEngine
 from engines.sampling import SamplingParams
 from engines.spec_decode.policy import AdaptivePolicy, AdaptiveSettings
 from lyanna_kernels import integer_dot
+from lyanna_kernels.quantized_linear import dequantized
 from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.skipif(not integer_dot.available(), reason="the integer-dot kernels do not build here")
@@ -106,6 +107,19 @@ def test_batches_run_rounds_together(plain, rounds):
     assert got == [c.token_ids for c in plain.generate(CHAT_PROMPTS, params)]
     # three requests decode together: a call commits several rounds of every one of them
     assert rounds.executor.profile.breakdown()["rounds"]["tokens_per_step"] > before
+
+
+def test_rounds_follow_a_prompt_read_through_the_fp32_copy(plain):
+    """On a CPU without bf16 arithmetic the drafter reads a long prompt's rows through its fusion's fp32 copy (the
+    wide path); the rounds that follow take its state as they take any other."""
+    engine = lyanna_chains(2)
+    fuse = engine.executor.drafter.model.fuse
+    fuse.wide = dequantized(fuse.quant).float()  # what such a CPU keeps; every read here takes it
+    fuse.takes_wide = lambda rows: True
+    params = SamplingParams(temperature=0, max_tokens=24)
+    got = [c.token_ids for c in engine.generate(CHAT_PROMPTS[:2], params)]
+    assert got == [c.token_ids for c in plain.generate(CHAT_PROMPTS[:2], params)]
+    assert engine.executor.profile.breakdown()["rounds"]["steps"] > 0
 
 
 def test_the_served_default_chooses_between_rounds_and_its_plans(plain):
