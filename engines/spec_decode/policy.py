@@ -315,6 +315,27 @@ class _Ema:
 
 
 @dataclass
+class _Rate:
+    """Tokens a second over recent steps: moving averages of their tokens and of their seconds (the rate of the
+    means, which steps of a few tokens and steps of many weigh by their time, not one step one vote)."""
+
+    tokens: _Ema = field(default_factory=lambda: _Ema(weight=0.1))
+    seconds: _Ema = field(default_factory=lambda: _Ema(weight=0.1))
+
+    @property
+    def count(self) -> int:
+        return self.tokens.count
+
+    @property
+    def value(self) -> float:
+        return self.tokens.value / self.seconds.value if self.seconds.value > 0 else 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens.add(tokens)
+        self.seconds.add(seconds)
+
+
+@dataclass
 class _Search:
     """A shape search's outcome: the best option that pays (no requests: none pays) and the best
     drafting option, paying or not (its score: goodput over the goodput it has to reach)."""
@@ -447,7 +468,7 @@ class AdaptivePolicy(SpeculationPolicy):
     _text_refused: int = 0
     # per (batch-size class, option): tokens per second of steps `choose_rounds` decided (option 0: the policy's
     # own plan, d: rounds of depth-d chains), and how many such decisions were made
-    rounds_outcomes: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    rounds_outcomes: dict[tuple[int, int], _Rate] = field(default_factory=dict)
     _rounds_plans: int = 0
     _plain_probes: int = 0  # steps that might have verified text drafts while they delivered more than plain steps
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
@@ -957,7 +978,7 @@ class AdaptivePolicy(SpeculationPolicy):
 
     def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float) -> None:
         if seconds > 0:
-            self.rounds_outcomes.setdefault((_batch_class(num_seqs), depth), _Ema(weight=0.1)).add(tokens / seconds)
+            self.rounds_outcomes.setdefault((_batch_class(num_seqs), depth), _Rate()).add(tokens, seconds)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)

@@ -156,3 +156,16 @@ def test_choose_rounds_measures_every_option_then_takes_the_best():
     assert chosen.count(1) == 6 and set(chosen) <= {0, 1, 2}  # the best, but for one re-measure in four
     assert policy.choose_rounds(1, []) == 0  # no depth allowed: the plan
     assert policy.choose_rounds(9, [1]) in (0, 1)  # another batch size is measured apart
+
+
+def test_choose_rounds_weighs_steps_by_their_time():
+    """An option whose steps vary (a round that accepts little, one that accepts much) is judged by the tokens a
+    second it delivered over its steps, not by the mean of its steps' rates."""
+    settings = AdaptiveSettings(rounds_depths=(1,), rounds_samples=4, rounds_recheck_every=1000)
+    policy = AdaptivePolicy(settings)
+    uneven = iter([(1, 0.01), (20, 0.1)] * 10)  # 100 and 200 tokens/s a step: 191 tokens/s delivered
+    for _ in range(8):
+        depth = policy.choose_rounds(1, [1])
+        tokens, seconds = next(uneven) if depth == 1 else (10, 0.06)  # the plan: 167 tokens/s, every step
+        policy.observe_rounds(1, depth, tokens, seconds)
+    assert policy.choose_rounds(1, [1]) == 1
