@@ -149,11 +149,12 @@ def test_choose_rounds_measures_every_option_then_takes_the_best():
         policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
     assert sorted(tried) == [0, 0, 1, 1, 2, 2]
     chosen = []
-    for _ in range(8):
+    for _ in range(16):
         depth = policy.choose_rounds(1, [1, 2, 3])
         chosen.append(depth)
         policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
-    assert chosen.count(1) == 6 and set(chosen) <= {0, 1, 2}  # the best, but for one re-measure in four
+    # the best, but for re-measures after 4 steps, then 8 (the best stayed the best), ...
+    assert chosen.count(1) == 14 and set(chosen) <= {0, 1, 2}
     assert policy.choose_rounds(1, []) == 0  # no depth allowed: the plan
     assert policy.choose_rounds(9, [1]) in (0, 1)  # another batch size is measured apart
 
@@ -169,3 +170,17 @@ def test_choose_rounds_weighs_steps_by_their_time():
         tokens, seconds = next(uneven) if depth == 1 else (10, 0.06)  # the plan: 167 tokens/s, every step
         policy.observe_rounds(1, depth, tokens, seconds)
     assert policy.choose_rounds(1, [1]) == 1
+
+
+def test_choose_rounds_measures_a_clear_loser_less():
+    """An option far below the best (`rounds_drop`) stops being sampled after `rounds_min_samples` steps."""
+    settings = AdaptiveSettings(rounds_depths=(1, 2), rounds_samples=8, rounds_min_samples=3, rounds_drop=0.8)
+    policy = AdaptivePolicy(settings)
+    rates = {0: 300.0, 1: 100.0, 2: 290.0}
+    tried = []
+    for _ in range(19):
+        depth = policy.choose_rounds(1, [1, 2])
+        tried.append(depth)
+        policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
+    assert tried.count(1) == 3 and tried.count(0) == 8 and tried.count(2) == 8
+    assert policy.choose_rounds(1, [1, 2]) == 0
