@@ -225,6 +225,11 @@ class LyannaDrafter(Drafter):
             return None
         return torch.cat([st.last_out for st in states]).contiguous()  # type: ignore[union-attr]
 
+    def unread(self, request: Request) -> int:
+        """How many of the request's context positions the drafter has yet to read before it drafts."""
+        st = self.states.get(request.request_id)
+        return max(0, request.num_tokens - 1 - (st.processed if st else 0))
+
     def on_rounds(self, request: Request, hidden: torch.Tensor, last_out: torch.Tensor) -> None:
         """Native rounds committed `hidden`'s rows ([n, hidden] bf16, the target's states of the positions from
         the request's computed tokens on) and read them: `last_out` [1, hidden] is its output at the last."""

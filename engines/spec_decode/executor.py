@@ -49,6 +49,9 @@ from lyanna_kernels.fused_decoder import native_seconds
 from lyanna_kernels.spec_rounds import SpecRounds, phase_seconds
 
 log = logging.getLogger(__name__)
+# a drafter with more of a request's tokens than this left to read is "behind" (after text drafts): the adaptive
+# policy measures native rounds apart there, since they read those tokens first (`choose_rounds`)
+ROUNDS_BEHIND_TOKENS = 8
 
 
 @dataclass
@@ -99,7 +102,7 @@ class SpecDecodeExecutor:
         self._rounds: SpecRounds | bool | None = None
         # this step's decision between native rounds and the policy's own plan (`_choose_rounds`): (requests, the
         # chain depth, 0 for the plan), for the policy to measure (`SpeculationPolicy.observe_rounds`)
-        self._last_rounds: tuple[int, int] | None = None
+        self._last_rounds: tuple[int, int, bool] | None = None
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
         """Draft within the granted budgets, run the forward, sample or verify, commit the accepted
@@ -172,7 +175,8 @@ class SpecDecodeExecutor:
         if outcome is not None:
             self.policy.observe_outcome(outcome, num_seqs, emitted, total_s)
         if self._last_rounds is not None:
-            self.policy.observe_rounds(*self._last_rounds, emitted, total_s)
+            num_seqs, depth, behind = self._last_rounds
+            self.policy.observe_rounds(num_seqs, depth, emitted, total_s, behind)
             self._last_rounds = None
         self.profile.add_step(kind, emitted, phases, total_s)
 
@@ -284,8 +288,14 @@ class SpecDecodeExecutor:
         if not most:
             return 0
         fixed = isinstance(self.policy, FixedPolicy) or any(s.request.spec.fixed for s in scheduled)  # type: ignore[union-attr]
-        depth = most if fixed else self.policy.choose_rounds(len(scheduled), list(range(1, most + 1)))
-        self._last_rounds = None if fixed else (len(scheduled), depth)
+        if fixed:
+            return most
+        drafter = _model_drafter(self.drafter)
+        behind = isinstance(drafter, LyannaDrafter) and any(
+            drafter.unread(s.request) > ROUNDS_BEHIND_TOKENS for s in scheduled
+        )
+        depth = self.policy.choose_rounds(len(scheduled), list(range(1, most + 1)), behind)
+        self._last_rounds = (len(scheduled), depth, behind)
         return depth
 
     def rounds_request_ok(self, req: Request) -> bool:

@@ -142,13 +142,16 @@ class SpeculationPolicy(ABC):
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:  # noqa: B027
         """A verified tree and its accepted path (node indices, root first)."""
 
-    def choose_rounds(self, num_seqs: int, depths: list[int]) -> int:
+    def choose_rounds(self, num_seqs: int, depths: list[int], behind: bool = False) -> int:
         """For a step of `num_seqs` greedy decoding requests that may run as native rounds of width-1 chains (the
         executor's spec rounds) and that verifies no text draft: the chain depth among `depths` to run them at, or 0
-        to take the step as the policy plans it otherwise. Never, unless a policy measures them."""
+        to take the step as the policy plans it otherwise. `behind`: the drafter has many of their tokens left to
+        read first (after text drafts), which rounds pay for. Never, unless a policy measures them."""
         return 0
 
-    def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float) -> None:  # noqa: B027
+    def observe_rounds(  # noqa: B027
+        self, num_seqs: int, depth: int, tokens: int, seconds: float, behind: bool = False
+    ) -> None:
         """An engine step that `choose_rounds` decided (`depth`, 0: otherwise) emitted `tokens` in `seconds` all
         told."""
 
@@ -472,12 +475,12 @@ class AdaptivePolicy(SpeculationPolicy):
     # steps which verified nothing; steps not asking the text drafter in a row where the former fell below the latter
     text_outcomes: dict[int, tuple[_Ema, _Ema]] = field(default_factory=dict)
     _text_refused: int = 0
-    # per (batch-size class, option): tokens per second of steps `choose_rounds` decided (option 0: the policy's
-    # own plan, d: rounds of depth-d chains), and how many such decisions were made
-    rounds_outcomes: dict[tuple[int, int], _Rate] = field(default_factory=dict)
+    # per ((batch-size class, drafter behind), option): tokens per second of steps `choose_rounds` decided (option 0:
+    # the policy's own plan, d: rounds of depth-d chains), and how many such decisions were made
+    rounds_outcomes: dict[tuple[tuple[int, bool], int], _Rate] = field(default_factory=dict)
     _rounds_plans: int = 0
     # per batch-size class: the best option at the last re-measure, the steps between re-measures, and the next one's
-    _rounds_recheck: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    _rounds_recheck: dict[tuple[int, bool], tuple[int, int, int]] = field(default_factory=dict)
     _plain_probes: int = 0  # steps that might have verified text drafts while they delivered more than plain steps
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
@@ -964,7 +967,7 @@ class AdaptivePolicy(SpeculationPolicy):
     def observe_host(self, seconds: float) -> None:
         self.host_s.add(seconds)
 
-    def choose_rounds(self, num_seqs: int, depths: list[int]) -> int:
+    def choose_rounds(self, num_seqs: int, depths: list[int], behind: bool = False) -> int:
         """The option (0, or a depth among `depths` and `rounds_depths`) that has delivered the most tokens a second
         at this batch size (`rounds_outcomes`), once every option has `rounds_samples` steps there or clearly loses
         (`rounds_drop`): until then the least measured; and now and then (`rounds_recheck_every`, less often while
@@ -973,7 +976,7 @@ class AdaptivePolicy(SpeculationPolicy):
         options = [0, *(d for d in depths if d in self.settings.rounds_depths)]
         if len(options) == 1:
             return 0
-        size = _batch_class(num_seqs)
+        size = (_batch_class(num_seqs), behind)  # measured apart: a drafter behind costs the rounds its reading
         outcomes = [self.rounds_outcomes.get((size, o)) for o in options]
         counts = [0 if e is None else e.count for e in outcomes]
         settings = self.settings
@@ -1002,9 +1005,9 @@ class AdaptivePolicy(SpeculationPolicy):
         others = [i for i in range(len(options)) if i != best]
         return options[min(others, key=lambda i: counts[i])]
 
-    def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float) -> None:
+    def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float, behind: bool = False) -> None:
         if seconds > 0:
-            self.rounds_outcomes.setdefault((_batch_class(num_seqs), depth), _Rate()).add(tokens, seconds)
+            self.rounds_outcomes.setdefault(((_batch_class(num_seqs), behind), depth), _Rate()).add(tokens, seconds)
 
     def observe_verified(self, request: Request, tree: DraftTree, path: list[int]) -> None:
         self.acceptance.observe(request.request_id, tree, len(path) - 1)

@@ -134,7 +134,7 @@ def test_the_served_default_chooses_between_rounds_and_its_plans(plain):
     got = [served.generate([p], params)[0].token_ids for p in prompts]
     assert got == want
     outcomes = served.executor.policy.rounds_outcomes
-    assert {depth for (size, depth) in outcomes if size == 0} >= {0, 1}
+    assert {depth for ((size, _), depth) in outcomes if size == 0} >= {0, 1}
     assert served.executor.profile.breakdown()["rounds"]["steps"] > 0
 
 
@@ -184,3 +184,15 @@ def test_choose_rounds_measures_a_clear_loser_less():
         policy.observe_rounds(1, depth, int(rates[depth]), 1.0)
     assert tried.count(1) == 3 and tried.count(0) == 8 and tried.count(2) == 8
     assert policy.choose_rounds(1, [1, 2]) == 0
+
+
+def test_choose_rounds_measures_a_drafter_behind_apart():
+    """Rounds that must first read many tokens (after text drafts) are measured apart from rounds that need not."""
+    policy = AdaptivePolicy(AdaptiveSettings(rounds_depths=(1,), rounds_samples=3, rounds_recheck_every=1000))
+    rates = {(False, 0): 100.0, (False, 1): 200.0, (True, 0): 100.0, (True, 1): 50.0}
+    for _ in range(6):
+        for behind in (False, True):
+            depth = policy.choose_rounds(1, [1], behind)
+            policy.observe_rounds(1, depth, int(rates[behind, depth]), 1.0, behind)
+    assert policy.choose_rounds(1, [1], behind=False) == 1
+    assert policy.choose_rounds(1, [1], behind=True) == 0
