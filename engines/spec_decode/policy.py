@@ -234,11 +234,12 @@ class AdaptiveSettings:
     rounds_samples: int = 8
     rounds_recheck_every: int = 16
     # an option below `rounds_drop` times the best one's rate after `rounds_min_samples` steps counts as measured (on
-    # an AVX2 CPU a round call costs twice a plain one's time, so measuring what clearly loses costs 5-7%); and the
-    # steps between re-measures double, up to `rounds_recheck_most`, while they leave the best option as it was
+    # an AVX2 CPU a round call costs twice a plain one's time, so measuring what clearly loses costs 5-7%)
     rounds_min_samples: int = 3
     rounds_drop: float = 0.8
-    rounds_recheck_most: int = 128
+    # rounds are taken only where they lead the policy's own plan by this much: within it, the noise of a few steps
+    # could pick them where they lose (at batch 2 on AVX2, 176 round calls at 4.44 ms a token against 4.04 plain)
+    rounds_margin: float = 1.05
     warm_steps: int = 2  # a request that drafted within this many plans has (almost) no unread context
     # standard errors of the shape table's first-level acceptance (over every draft behind it) added in
     # the search, an upper confidence bound: an option that a few unlucky first drafts put just below
@@ -479,8 +480,6 @@ class AdaptivePolicy(SpeculationPolicy):
     # the policy's own plan, d: rounds of depth-d chains), and how many such decisions were made
     rounds_outcomes: dict[tuple[tuple[int, bool], int], _Rate] = field(default_factory=dict)
     _rounds_plans: int = 0
-    # per batch-size class: the best option at the last re-measure, the steps between re-measures, and the next one's
-    _rounds_recheck: dict[tuple[int, bool], tuple[int, int, int]] = field(default_factory=dict)
     _plain_probes: int = 0  # steps that might have verified text drafts while they delivered more than plain steps
     _probe_credit: float = 0.0  # plain steps' time saved up for probes (`probe_cost` per plan that drafts for none)
     _drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> shape it verifies this step
@@ -970,9 +969,9 @@ class AdaptivePolicy(SpeculationPolicy):
     def choose_rounds(self, num_seqs: int, depths: list[int], behind: bool = False) -> int:
         """The option (0, or a depth among `depths` and `rounds_depths`) that has delivered the most tokens a second
         at this batch size (`rounds_outcomes`), once every option has `rounds_samples` steps there or clearly loses
-        (`rounds_drop`): until then the least measured; and now and then (`rounds_recheck_every`, less often while
-        the best stays the best) the least measured other option, so what changes with the text and the context is
-        followed."""
+        (`rounds_drop`): until then the least measured; rounds only where they lead the plan by `rounds_margin`; and
+        every `rounds_recheck_every` steps the least measured other option, so what changes with the text and the
+        context is followed."""
         options = [0, *(d for d in depths if d in self.settings.rounds_depths)]
         if len(options) == 1:
             return 0
@@ -991,19 +990,12 @@ class AdaptivePolicy(SpeculationPolicy):
         ]  # fmt: skip
         if short:
             return options[min(short, key=lambda i: counts[i])]
-        best = max(range(len(options)), key=lambda i: outcomes[i].value)  # type: ignore[union-attr]
-        last_best, every, due = self._rounds_recheck.get(size, (best, settings.rounds_recheck_every, 0))
-        if best != last_best:
-            every = settings.rounds_recheck_every
-        if not due:
-            due = self._rounds_plans + every
-        if self._rounds_plans < due:
-            self._rounds_recheck[size] = (best, every, due)
-            return options[best]
-        every = every if best != last_best else min(2 * every, settings.rounds_recheck_most)
-        self._rounds_recheck[size] = (best, every, self._rounds_plans + every)
-        others = [i for i in range(len(options)) if i != best]
-        return options[min(others, key=lambda i: counts[i])]
+        scores = [outcomes[i].value * (settings.rounds_margin if options[i] == 0 else 1.0) for i in range(len(options))]  # type: ignore[union-attr]
+        best = max(range(len(options)), key=lambda i: scores[i])
+        if self._rounds_plans % settings.rounds_recheck_every == 0:
+            others = [i for i in range(len(options)) if i != best]
+            return options[min(others, key=lambda i: counts[i])]
+        return options[best]
 
     def observe_rounds(self, num_seqs: int, depth: int, tokens: int, seconds: float, behind: bool = False) -> None:
         if seconds > 0:
