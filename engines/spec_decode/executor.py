@@ -101,7 +101,7 @@ class SpecDecodeExecutor:
         # built yet, False: they do not apply
         self._rounds: SpecRounds | bool | None = None
         # this step's decision between native rounds and the policy's own plan (`_choose_rounds`): (requests, the
-        # chain depth, 0 for the plan), for the policy to measure (`SpeculationPolicy.observe_rounds`)
+        # chain depth, 0 for the plan, whether the drafter was behind), for the policy to measure (`observe_rounds`)
         self._last_rounds: tuple[int, int, bool] | None = None
 
     def execute(self, sched: SchedulerOutput) -> list[RequestStepResult]:
